@@ -1,0 +1,103 @@
+// Declarations of every hopper_moe op, one group per device.
+//
+// The schemas live in torch_bindings.cpp; the C++ signatures here follow them argument by
+// argument (Tensor! -> at::Tensor&, Tensor? -> const std::optional<at::Tensor>&,
+// float -> double, int -> int64_t). Each op has
+//   check::<op>   validation shared by both devices            (csrc/checks/<family>.cpp)
+//   cpu::<op>     the readable CPU definition of the semantics  (csrc/cpu/<family>.cpp)
+//   cuda::<op>    the CUDA launcher                             (csrc/ops/<family>.cu)
+// cpu:: and cuda:: call check:: first, so both reject the same inputs with the same message.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace hopper_moe {
+
+using OptTensor = std::optional<at::Tensor>;
+
+#define HOPPER_MOE_DECLARE_OPS                                                                 \
+  /* routing (routing.*) */                                                                    \
+  void topk_softmax(at::Tensor& topk_weights, at::Tensor& topk_indices,                        \
+                    at::Tensor& token_expert_indices, const at::Tensor& gating_output,         \
+                    bool renormalize, const OptTensor& bias, const OptTensor& is_padding);     \
+  void topk_sigmoid(at::Tensor& topk_weights, at::Tensor& topk_indices,                        \
+                    at::Tensor& token_expert_indices, const at::Tensor& gating_output,         \
+                    bool renormalize, const OptTensor& bias, double routed_scaling_factor,     \
+                    const OptTensor& is_padding);                                              \
+  /* permutation (permute.*) */                                                                \
+  void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts,                   \
+                            int64_t block_size, at::Tensor& sorted_token_ids,                  \
+                            at::Tensor& experts_ids, at::Tensor& num_tokens_post_pad,          \
+                            const OptTensor& maybe_expert_map, const OptTensor& scatter_idx);  \
+  void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,                        \
+                   const at::Tensor& token_expert_indices, const OptTensor& expert_map,        \
+                   int64_t n_expert, int64_t n_local_expert, int64_t topk,                     \
+                   at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,          \
+                   at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx);                    \
+  void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights, \
+                     const at::Tensor& inv_permuted_idx,                                       \
+                     const OptTensor& expert_first_token_offset, int64_t topk,                 \
+                     at::Tensor& hidden_states);                                               \
+  void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map,             \
+                    at::Tensor& output_tensor);                                                \
+  /* reduction (reduce.*) */                                                                   \
+  void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_ids,         \
+               const OptTensor& expert_map);                                                   \
+  /* activation (activation.*) */                                                              \
+  void silu_and_mul(at::Tensor& result, const at::Tensor& input);                              \
+  void silu_and_mul_quant(at::Tensor& result, const at::Tensor& input,                         \
+                          const at::Tensor& scale);                                            \
+  /* FP8 quantization (quant.*) */                                                             \
+  void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,                    \
+                               const at::Tensor& scale,                                        \
+                               std::optional<at::IntArrayRef> group_shape);                    \
+  void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,                   \
+                                at::Tensor& scale);                                            \
+  void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,         \
+                                          at::Tensor& scale, const OptTensor& scale_ub);       \
+  void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,                \
+                                 at::Tensor& output_s, int64_t group_size, double eps,         \
+                                 double fp8_min, double fp8_max, bool scale_ue8m0,             \
+                                 bool dummy_is_scale_transposed, bool dummy_is_tma_aligned);   \
+  /* grouped-GEMM metadata (gemm_data.*) */                                                    \
+  void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offsets,         \
+                               at::Tensor& problem_sizes1, at::Tensor& problem_sizes2,         \
+                               at::Tensor& input_permutation, at::Tensor& output_permutation,  \
+                               int64_t num_experts, int64_t n, int64_t k,                      \
+                               const OptTensor& blockscale_offsets, bool is_gated);            \
+  void get_cutlass_moe_mm_problem_sizes_from_expert_offsets(                                   \
+      const at::Tensor& expert_first_token_offset, at::Tensor& problem_sizes1,                 \
+      at::Tensor& problem_sizes2, int64_t n, int64_t k, bool swap_ab);
+
+// grouped_topk is the one op that returns tensors; it is declared beside the macro because
+// its check:: form returns nothing.
+#define HOPPER_MOE_GROUPED_TOPK_ARGS                                                           \
+  (const at::Tensor& scores, int64_t n_group, int64_t topk_group, int64_t topk,               \
+   bool renormalize, double routed_scaling_factor, const at::Tensor& bias, int64_t scoring_func)
+
+// Validation: throws a RuntimeError naming the argument and the rule; returns normally when
+// the call is valid.
+namespace check {
+HOPPER_MOE_DECLARE_OPS
+void grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+}  // namespace check
+
+namespace cpu {
+HOPPER_MOE_DECLARE_OPS
+std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+}  // namespace cpu
+
+#ifdef HOPPER_MOE_WITH_CUDA
+namespace cuda {
+HOPPER_MOE_DECLARE_OPS
+std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+}  // namespace cuda
+#endif
+
+// True when this build can run cutlass_moe_mm on a GPU of the given capability (major*10+minor).
+bool cutlass_group_gemm_supported(int64_t cuda_device_capability);
+
+}  // namespace hopper_moe

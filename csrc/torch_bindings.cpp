@@ -1,0 +1,111 @@
+// The one registration point of hopper_moe: every schema and every implementation.
+//
+// Schemas are vLLM's (torch.ops._moe_C / torch.ops._C), argument for argument, under the
+// namespace `hopper_moe`; tests/test_schemas.py compares them with ../shared/OPS.md's strings.
+// Fake (meta) implementations are registered from Python (python/hopper_moe/_fake.py).
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace hopper_moe {
+
+bool cutlass_group_gemm_supported(int64_t cuda_device_capability) {
+  // cutlass_moe_mm (the hand-written SM90 grouped GEMM) is not part of this build yet: no
+  // capability can run it, and callers must take another path.
+  (void)cuda_device_capability;
+  return false;
+}
+
+}  // namespace hopper_moe
+
+TORCH_LIBRARY(hopper_moe, m) {
+  // Routing
+  m.def(
+      "topk_softmax(Tensor! topk_weights, Tensor! topk_indices, Tensor! token_expert_indices, "
+      "Tensor gating_output, bool renormalize, Tensor? bias, Tensor? is_padding) -> ()");
+  m.def(
+      "topk_sigmoid(Tensor! topk_weights, Tensor! topk_indices, Tensor! token_expert_indices, "
+      "Tensor gating_output, bool renormalize, Tensor? bias, float routed_scaling_factor, "
+      "Tensor? is_padding) -> ()");
+  m.def(
+      "grouped_topk(Tensor scores, int n_group, int topk_group, int topk, bool renormalize, "
+      "float routed_scaling_factor, Tensor bias, int scoring_func) -> (Tensor, Tensor)");
+
+  // Permutation and reduction
+  m.def(
+      "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, "
+      "Tensor! sorted_token_ids, Tensor! experts_ids, Tensor! num_tokens_post_pad, "
+      "Tensor? maybe_expert_map, Tensor(a!)? scatter_idx=None) -> ()");
+  m.def(
+      "moe_permute(Tensor input, Tensor topk_ids, Tensor token_expert_indices, "
+      "Tensor? expert_map, int n_expert, int n_local_expert, int topk, "
+      "Tensor! permuted_input, Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, "
+      "Tensor! permuted_idx)->()");
+  m.def(
+      "moe_unpermute(Tensor permuted_hidden_states, Tensor topk_weights, "
+      "Tensor inv_permuted_idx, Tensor? expert_first_token_offset, int topk, "
+      "Tensor! hidden_states)->()");
+  m.def("shuffle_rows(Tensor input_tensor, Tensor dst2src_map, Tensor! output_tensor) -> ()");
+  m.def(
+      "moe_sum(Tensor input, Tensor! output, Tensor? topk_ids=None, "
+      "Tensor? expert_map=None) -> ()");
+
+  // Activation and FP8 quantization
+  m.def("silu_and_mul(Tensor! result, Tensor input) -> ()");
+  m.def("silu_and_mul_quant(Tensor! result, Tensor input, Tensor scale) -> ()");
+  m.def(
+      "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
+      "int[]? group_shape=None) -> ()");
+  m.def("dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()");
+  m.def(
+      "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale, "
+      "Tensor? scale_ub) -> ()");
+  m.def(
+      "per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, "
+      "int group_size, float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+      "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()");
+
+  // Grouped-GEMM metadata
+  m.def(
+      "get_cutlass_moe_mm_data(Tensor topk_ids, Tensor! expert_offsets, "
+      "Tensor! problem_sizes1, Tensor! problem_sizes2, Tensor! input_permutation, "
+      "Tensor! output_permutation, int num_experts, int n, int k, "
+      "Tensor? blockscale_offsets, bool is_gated) -> ()");
+  m.def(
+      "get_cutlass_moe_mm_problem_sizes_from_expert_offsets(Tensor expert_first_token_offset, "
+      "Tensor! problem_sizes1, Tensor! problem_sizes2, int n, int k, bool swap_ab) -> ()");
+  m.def("cutlass_group_gemm_supported(int cuda_device_capability) -> bool",
+        &hopper_moe::cutlass_group_gemm_supported);
+}
+
+#define HOPPER_MOE_IMPL_ALL(m, ns)                                                            \
+  m.impl("topk_softmax", &ns::topk_softmax);                                                  \
+  m.impl("topk_sigmoid", &ns::topk_sigmoid);                                                  \
+  m.impl("grouped_topk", &ns::grouped_topk);                                                  \
+  m.impl("moe_align_block_size", &ns::moe_align_block_size);                                  \
+  m.impl("moe_permute", &ns::moe_permute);                                                    \
+  m.impl("moe_unpermute", &ns::moe_unpermute);                                                \
+  m.impl("shuffle_rows", &ns::shuffle_rows);                                                  \
+  m.impl("moe_sum", &ns::moe_sum);                                                            \
+  m.impl("silu_and_mul", &ns::silu_and_mul);                                                  \
+  m.impl("silu_and_mul_quant", &ns::silu_and_mul_quant);                                      \
+  m.impl("static_scaled_fp8_quant", &ns::static_scaled_fp8_quant);                            \
+  m.impl("dynamic_scaled_fp8_quant", &ns::dynamic_scaled_fp8_quant);                          \
+  m.impl("dynamic_per_token_scaled_fp8_quant", &ns::dynamic_per_token_scaled_fp8_quant);      \
+  m.impl("per_token_group_fp8_quant", &ns::per_token_group_fp8_quant);                        \
+  m.impl("get_cutlass_moe_mm_data", &ns::get_cutlass_moe_mm_data);                            \
+  m.impl("get_cutlass_moe_mm_problem_sizes_from_expert_offsets",                              \
+         &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);
+
+TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }
+
+#ifdef HOPPER_MOE_WITH_CUDA
+TORCH_LIBRARY_IMPL(hopper_moe, CUDA, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cuda) }
+#endif
+
+// Lets `import hopper_moe._C` load this library as a Python extension module.
+#include <Python.h>
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,33 @@
+"""hopper_moe: fused Mixture-of-Experts kernels for NVIDIA Hopper.
+
+Ops are registered under ``torch.ops.hopper_moe`` with vLLM's schemas; ``hopper_moe.ops``
+mirrors ``vllm._custom_ops``; ``fused_topk`` / ``fused_experts`` / ``fused_moe`` are the layer
+API; ``hopper_moe.reference`` holds the fp32 definitions everything is tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.hopper_moe.*)
+from . import _fake  # noqa: F401  (fake/meta implementations)
+from . import ops, reference
+from .fused_moe import fused_experts, fused_moe, fused_topk
+from .quant import QuantConfig
+
+__version__ = "0.1.0"
+
+
+def built_with_cuda() -> bool:
+    """True when this build of hopper_moe._C holds the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("hopper_moe::moe_sum", "CUDA")
+
+
+__all__ = [
+    "QuantConfig",
+    "built_with_cuda",
+    "fused_experts",
+    "fused_moe",
+    "fused_topk",
+    "ops",
+    "reference",
+]

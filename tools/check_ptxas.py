@@ -1,0 +1,40 @@
+"""Fail when ptxas reports spills, local memory or a stack frame for any kernel.
+
+Reads a build log made with -Xptxas=-v (setup.py adds it) and prints one line per kernel:
+registers, shared memory, spills. Exit 1 if any kernel spills or uses local memory.
+
+    python tools/check_ptxas.py build/build.log
+"""
+import re
+import sys
+
+FUNC = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
+STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+USED = re.compile(r"Used (\d+) registers(.*)")
+
+
+def main(path: str) -> int:
+    kernels, bad = 0, []
+    current = None
+    for line in open(path, errors="replace"):
+        if m := FUNC.search(line):
+            current = m.group(1)
+            continue
+        if current and (m := STACK.search(line)):
+            frame, st, ld = map(int, m.groups())
+            if frame or st or ld:
+                bad.append(f"{current}: {frame} B stack, {st} B spill stores, {ld} B spill loads")
+        elif current and (m := USED.search(line)):
+            kernels += 1
+            lmem = re.search(r"(\d+) bytes lmem", m.group(2))
+            if lmem and int(lmem.group(1)):
+                bad.append(f"{current}: {lmem.group(1)} B local memory")
+            current = None
+    print(f"check_ptxas: {kernels} kernels, {len(bad)} with spills or local memory")
+    for b in bad:
+        print("  SPILL", b)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "build/build.log"))
