@@ -43,7 +43,7 @@ if not cpu_only and shutil.which("nvcc") is None and not os.environ.get("CUDA_HO
 
 cpp_sources = ["csrc/torch_bindings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp")
 include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
-cxx_flags = ["-O3"]
+cxx_flags = ["-O3", "-DHOPPER_MOE_PYTHON_MODULE"]
 
 if cpu_only:
     ext = CppExtension(

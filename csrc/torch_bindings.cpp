@@ -103,9 +103,12 @@ TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu)
 TORCH_LIBRARY_IMPL(hopper_moe, CUDA, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cuda) }
 #endif
 
-// Lets `import hopper_moe._C` load this library as a Python extension module.
+#ifdef HOPPER_MOE_PYTHON_MODULE
+// Lets `import hopper_moe._C` load this library as a Python extension module. Builds for C++
+// consumers (CMake) leave it out: loading the library registers the ops by itself.
 #include <Python.h>
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);
 }
+#endif

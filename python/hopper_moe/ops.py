@@ -1,0 +1,229 @@
+"""Python wrappers of the hopper_moe ops, with the names and signatures of `vllm._custom_ops`.
+
+In-place wrappers forward to `torch.ops.hopper_moe.<op>`; allocating wrappers (the ones vLLM
+users call as `ops.scaled_fp8_quant(x)`, `ops.shuffle_rows(x, map)`, ...) allocate outputs and
+return them. Shapes and dtypes follow ../shared/OPS.md. No Python loops, no host syncs.
+"""
+from __future__ import annotations
+
+import torch
+
+_ops = torch.ops.hopper_moe
+FP8_DTYPE = torch.float8_e4m3fn
+
+# vLLM swaps the grouped-GEMM problem (computes C^T = B^T A^T) at or below this many slots.
+SWAP_AB_THRESHOLD = 64
+
+
+# ----------------------------------------------------------------------------- routing
+def topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 token_expert_indices: torch.Tensor, gating_output: torch.Tensor,
+                 renormalize: bool = False, e_score_correction_bias: torch.Tensor | None = None,
+                 is_padding: torch.Tensor | None = None) -> None:
+    """Softmax top-k routing. gating_output [T,E]; writes topk_weights [T,K] f32,
+    topk_ids [T,K] int32/int64, token_expert_indices [T,K] int32 (= k*T + t)."""
+    _ops.topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize,
+                      e_score_correction_bias, is_padding)
+
+
+def topk_sigmoid(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 token_expert_indices: torch.Tensor, gating_output: torch.Tensor,
+                 renormalize: bool = False, e_score_correction_bias: torch.Tensor | None = None,
+                 routed_scaling_factor: float = 1.0,
+                 is_padding: torch.Tensor | None = None) -> None:
+    """Sigmoid top-k routing; same outputs as topk_softmax."""
+    _ops.topk_sigmoid(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize,
+                      e_score_correction_bias, routed_scaling_factor, is_padding)
+
+
+def grouped_topk(scores: torch.Tensor, num_expert_group: int, topk_group: int, topk: int,
+                 renormalize: bool, routed_scaling_factor: float, bias: torch.Tensor,
+                 scoring_func: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 grouped routing. Returns (weights f32 [T,topk], ids int32 [T,topk]).
+    scoring_func: 0 = scores used as given, 1 = sigmoid."""
+    return _ops.grouped_topk(scores, num_expert_group, topk_group, topk, renormalize,
+                             routed_scaling_factor, bias, scoring_func)
+
+
+# ----------------------------------------------------------------- permutation/reduction
+def moe_align_block_size_buffers(topk_ids: torch.Tensor, num_experts: int, block_size: int):
+    """Allocate (sorted_token_ids, experts_ids, num_tokens_post_pad) with vLLM's static upper
+    bounds (no host sync): padded length numel + E*(block_size-1), capped at numel*block_size
+    when there are fewer slots than experts."""
+    numel = topk_ids.numel()
+    max_padded = numel + num_experts * (block_size - 1)
+    if numel < num_experts:
+        max_padded = min(numel * block_size, max_padded)
+    dev = topk_ids.device
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
+    max_blocks = (max_padded + block_size - 1) // block_size
+    expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
+    num_tokens_post_pad = torch.empty((1,), dtype=torch.int32, device=dev)
+    return sorted_ids, expert_ids, num_tokens_post_pad
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                         sorted_token_ids: torch.Tensor, experts_ids: torch.Tensor,
+                         num_tokens_post_pad: torch.Tensor,
+                         expert_map: torch.Tensor | None = None,
+                         scatter_idx: torch.Tensor | None = None) -> None:
+    """Sort the flat (token, k) slots by expert into block_size-padded segments."""
+    _ops.moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids,
+                              num_tokens_post_pad, expert_map, scatter_idx)
+
+
+def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
+                topk_ids: torch.Tensor, n_expert: int, n_local_expert: int = -1,
+                expert_map: torch.Tensor | None = None,
+                permuted_hidden_states: torch.Tensor | None = None):
+    """Group the rows of hidden_states [T,H] by expert. Returns (permuted_hidden_states
+    [T*K,H], a1q_scale permuted when per-token, expert_first_token_offset int64 [E_local+1],
+    inv_permuted_idx int32 [T*K], permuted_idx int32 [T*K])."""
+    n_token, n_hidden = hidden_states.shape
+    topk = topk_ids.size(1)
+    rows = n_token * topk
+    if n_local_expert == -1:
+        n_local_expert = n_expert
+    dev = hidden_states.device
+    if permuted_hidden_states is None:
+        permuted_hidden_states = torch.empty((rows, n_hidden), dtype=hidden_states.dtype,
+                                             device=dev)
+    token_expert_indices = torch.arange(rows, dtype=torch.int32, device=dev).view(n_token, topk)
+    expert_first_token_offset = torch.empty(n_local_expert + 1, dtype=torch.int64, device=dev)
+    permuted_idx = torch.full((rows,), rows, dtype=torch.int32, device=dev)
+    inv_permuted_idx = torch.empty((n_token, topk), dtype=torch.int32, device=dev)
+    _ops.moe_permute(hidden_states, topk_ids.to(torch.int32), token_expert_indices, expert_map,
+                     n_expert, n_local_expert, topk, permuted_hidden_states,
+                     expert_first_token_offset, inv_permuted_idx, permuted_idx)
+    if a1q_scale is not None and a1q_scale.dim() > 1 and rows > 0:
+        a1q_scale = a1q_scale[permuted_idx.clamp(max=rows - 1) // topk]
+    return (permuted_hidden_states, a1q_scale, expert_first_token_offset,
+            inv_permuted_idx.flatten(), permuted_idx)
+
+
+def moe_unpermute(out: torch.Tensor, permuted_hidden_states: torch.Tensor,
+                  topk_weights: torch.Tensor, inv_permuted_idx: torch.Tensor,
+                  expert_first_token_offset: torch.Tensor | None = None) -> None:
+    """out[t] = sum_k topk_weights[t,k] * permuted_hidden_states[inv_permuted_idx[t,k]]."""
+    topk = topk_weights.size(1)
+    _ops.moe_unpermute(permuted_hidden_states, topk_weights,
+                       inv_permuted_idx.view(topk_weights.shape), expert_first_token_offset,
+                       topk, out)
+
+
+def shuffle_rows(input_tensor: torch.Tensor, dst2src_map: torch.Tensor) -> torch.Tensor:
+    """Returns out with out[i] = input_tensor[dst2src_map[i]]."""
+    output_tensor = torch.empty((dst2src_map.size(0), input_tensor.size(1)),
+                                dtype=input_tensor.dtype, device=input_tensor.device)
+    _ops.shuffle_rows(input_tensor, dst2src_map, output_tensor)
+    return output_tensor
+
+
+def moe_sum(input: torch.Tensor, output: torch.Tensor, topk_ids: torch.Tensor | None = None,
+            expert_map: torch.Tensor | None = None) -> None:
+    """output[t] = sum_k input[t,k] (fp32 accumulation), skipping non-local slots."""
+    _ops.moe_sum(input, output, topk_ids, expert_map)
+
+
+# ------------------------------------------------------------------ activation and quant
+def silu_and_mul(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """out[..., d] = silu(x[..., :d]) * x[..., d:]; allocates out when None."""
+    if out is None:
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
+    _ops.silu_and_mul(out, x)
+    return out
+
+
+def silu_and_mul_quant(out: torch.Tensor | None, x: torch.Tensor,
+                       scale: torch.Tensor) -> torch.Tensor:
+    """FP8 (static scale) of silu(x[..., :d]) * x[..., d:]; allocates out when None."""
+    if out is None:
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=FP8_DTYPE, device=x.device)
+    _ops.silu_and_mul_quant(out, x, scale)
+    return out
+
+
+def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None,
+                     num_token_padding: int | None = None,
+                     scale_ub: torch.Tensor | None = None,
+                     use_per_token_if_dynamic: bool = False,
+                     output: torch.Tensor | None = None,
+                     group_shape: tuple[int, int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D input to FP8 e4m3. With `scale`: static; else dynamic per tensor (scale
+    [1]) or per token (scale [rows,1]) with use_per_token_if_dynamic. num_token_padding pads
+    the output rows (padding rows are zero, their per-token scales one). Returns (out, scale)."""
+    if input.dim() != 2:
+        raise RuntimeError(f"scaled_fp8_quant: input must be 2-D (got {input.dim()}-D)")
+    rows, cols = input.shape
+    padded = max(num_token_padding or 0, rows)
+    if output is None:
+        output = torch.empty((padded, cols), dtype=FP8_DTYPE, device=input.device)
+    out = output[:rows] if padded != rows else output
+    if scale is None:
+        if use_per_token_if_dynamic:
+            scale = torch.empty((padded, 1), dtype=torch.float32, device=input.device)
+            _ops.dynamic_per_token_scaled_fp8_quant(out, input, scale[:rows], scale_ub)
+            if padded != rows:
+                scale[rows:].fill_(1.0)
+        else:
+            scale = torch.empty((1,), dtype=torch.float32, device=input.device)
+            _ops.dynamic_scaled_fp8_quant(out, input, scale)
+    else:
+        _ops.static_scaled_fp8_quant(out, input, scale,
+                                     list(group_shape) if group_shape is not None else None)
+    if padded != rows:
+        output[rows:].view(torch.uint8).zero_()
+    return output, scale
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, eps: float = 1e-10,
+                              dtype: torch.dtype | None = None,
+                              column_major_scales: bool = False,
+                              out_q: torch.Tensor | None = None,
+                              use_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (token, group of `group_size` columns) dynamic FP8 quantization.
+    Returns (x_q like x in fp8, x_s f32 [..., K/group_size], column-major when asked)."""
+    dtype = dtype or FP8_DTYPE
+    finfo = torch.finfo(dtype)
+    if x.shape[-1] % group_size != 0:
+        raise RuntimeError(f"per_token_group_quant_fp8: x.shape[-1] ({x.shape[-1]}) must be "
+                           f"divisible by group_size ({group_size})")
+    if out_q is None:
+        out_q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    groups = x.shape[-1] // group_size
+    if column_major_scales:
+        x_s = torch.empty((groups,) + x.shape[:-1], dtype=torch.float32,
+                          device=x.device).transpose(0, -1)
+    else:
+        x_s = torch.empty(x.shape[:-1] + (groups,), dtype=torch.float32, device=x.device)
+    _ops.per_token_group_fp8_quant(x, out_q, x_s, group_size, eps, finfo.min, finfo.max,
+                                   use_ue8m0, column_major_scales, False)
+    return out_q, x_s
+
+
+# -------------------------------------------------------------------- grouped-GEMM metadata
+def get_cutlass_moe_mm_data(topk_ids: torch.Tensor, expert_offsets: torch.Tensor,
+                            problem_sizes1: torch.Tensor, problem_sizes2: torch.Tensor,
+                            input_permutation: torch.Tensor, output_permutation: torch.Tensor,
+                            num_experts: int, n: int, k: int,
+                            blockscale_offsets: torch.Tensor | None = None,
+                            is_gated: bool = True) -> None:
+    """Per-expert problem sizes and the slot permutations of the grouped GEMMs; problem sizes
+    are swapped (N, M, K) when topk_ids.numel() <= 64."""
+    _ops.get_cutlass_moe_mm_data(topk_ids, expert_offsets, problem_sizes1, problem_sizes2,
+                                 input_permutation, output_permutation, num_experts, n, k,
+                                 blockscale_offsets, is_gated)
+
+
+def get_cutlass_moe_mm_problem_sizes_from_expert_offsets(
+        expert_first_token_offset: torch.Tensor, problem_sizes1: torch.Tensor,
+        problem_sizes2: torch.Tensor, n: int, k: int, swap_ab: bool) -> None:
+    """Problem sizes of both grouped GEMMs from expert_first_token_offset [E+1]."""
+    _ops.get_cutlass_moe_mm_problem_sizes_from_expert_offsets(
+        expert_first_token_offset, problem_sizes1, problem_sizes2, n, k, swap_ab)
+
+
+def cutlass_group_gemm_supported(cuda_device_capability: int) -> bool:
+    """Whether cutlass_moe_mm can run on a GPU of this capability (major*10 + minor)."""
+    return _ops.cutlass_group_gemm_supported(cuda_device_capability)

@@ -1,0 +1,52 @@
+"""Shared test helpers.
+
+DEVICES   ["cpu"] plus "cuda" when a GPU is present; parametrize device-generic tests over it.
+gpu       marker for tests that need CUDA; they skip (not fail) on a machine without a GPU.
+poison(t) fill an output with NaN (floating) or -7777 (integer) so unwritten elements show.
+seeded(s) a torch.Generator seeded with s (CPU), for reproducible random inputs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hopper_moe  # noqa: F401  (loads the ops)
+
+HAS_CUDA = torch.cuda.is_available() and hopper_moe.built_with_cuda()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+gpu = pytest.mark.gpu
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of hopper_moe")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill `t` in place with a value no op writes by accident, and return it."""
+    if t.dtype.is_floating_point:
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            t.view(torch.uint8).fill_(0x7F)  # NaN in e4m3fn
+        else:
+            t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(-7777)
+    return t
+
+
+def seeded(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
