@@ -7,10 +7,17 @@ seeded(s) a torch.Generator seeded with s (CPU), for reproducible random inputs.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import hopper_moe  # noqa: F401  (loads the ops)
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on a machine without a GPU. Must be set before
+    # any Triton kernel is defined (hopper_moe.triton is imported by test modules, after this).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import hopper_moe  # noqa: E402,F401  (loads the ops)
 
 HAS_CUDA = torch.cuda.is_available() and hopper_moe.built_with_cuda()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

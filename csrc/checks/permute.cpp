@@ -1,14 +1,228 @@
-// SCAFFOLD: replaced by the permute implementation.
+// Argument checks of the permutation family: moe_align_block_size, moe_permute, moe_unpermute,
+// shuffle_rows. Shared by the CPU definitions (csrc/cpu/permute.cpp) and the CUDA launchers
+// (csrc/ops/permute.cu), so both devices reject exactly the same calls.
+//
+// Only shapes, dtypes, devices, layouts and integer arguments are checked here. Data-dependent
+// validity (expert ids out of range, expert_map entries, gather indices out of range) is
+// handled inside the ops by skipping, never by reading data on the host.
+#include <limits>
+
+#include "hopper_moe/common/checks.h"
 #include "ops.h"
 
 namespace hopper_moe::check {
+namespace {
 
-void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64_t block_size, at::Tensor& sorted_token_ids, at::Tensor& experts_ids, at::Tensor& num_tokens_post_pad, const OptTensor& maybe_expert_map, const OptTensor& scatter_idx) { TORCH_CHECK(false, "hopper_moe::moe_align_block_size: not built yet"); }
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
-void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids, const at::Tensor& token_expert_indices, const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert, int64_t topk, at::Tensor& permuted_input, at::Tensor& expert_first_token_offset, at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) { TORCH_CHECK(false, "hopper_moe::moe_permute: not built yet"); }
+// Row tensors of the permute/unpermute/shuffle ops: activations in any float or FP8 format.
+#define HM_ROW_DTYPES \
+  {at::kFloat, at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2}
 
-void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights, const at::Tensor& inv_permuted_idx, const OptTensor& expert_first_token_offset, int64_t topk, at::Tensor& hidden_states) { TORCH_CHECK(false, "hopper_moe::moe_unpermute: not built yet"); }
-
-void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map, at::Tensor& output_tensor) { TORCH_CHECK(false, "hopper_moe::shuffle_rows: not built yet"); }
-
+// 2-D [rows, cols] with unit stride along cols; any row stride.
+void check_rows_named(const char* op, const at::Tensor& t, const char* name) {
+  check_dim_named(op, t, name, 2);
+  check_dtype_named(op, t, name, HM_ROW_DTYPES);
+  check_last_dim_contiguous_named(op, t, name);
 }
+
+}  // namespace
+
+void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64_t block_size,
+                          at::Tensor& sorted_token_ids, at::Tensor& experts_ids,
+                          at::Tensor& num_tokens_post_pad, const OptTensor& maybe_expert_map,
+                          const OptTensor& scatter_idx) {
+  constexpr const char* kOp = "moe_align_block_size";
+  HM_CHECK_DTYPE(kOp, topk_ids, HM_INDEX_DTYPES);
+  HM_CHECK_CONTIGUOUS(kOp, topk_ids);
+  const int64_t numel = topk_ids.numel();
+  HM_CHECK(kOp, numel <= kInt32Max, "topk_ids must have at most 2^31-1 elements (got ", numel,
+           ")");
+  // 65536 bounds the per-expert workspace; no MoE model comes near it.
+  HM_CHECK(kOp, num_experts >= 1 && num_experts <= 65536,
+           "num_experts must be in [1, 65536] (got ", num_experts, ")");
+  HM_CHECK(kOp, block_size >= 1 && block_size <= kInt32Max,
+           "block_size must be in [1, 2^31-1] (got ", block_size, ")");
+
+  HM_CHECK_DTYPE(kOp, sorted_token_ids, at::kInt);
+  HM_CHECK_DIM(kOp, sorted_token_ids, 1);
+  HM_CHECK_CONTIGUOUS(kOp, sorted_token_ids);
+  HM_CHECK_SAME_DEVICE(kOp, sorted_token_ids, topk_ids);
+  // Every expert segment wastes at most block_size-1 slots and only non-empty experts have a
+  // segment, so numel + min(numel, E) * (block_size-1) always holds the padded layout (vLLM's
+  // bound, including its small-batch cap min(numel*block_size, numel + E*(block_size-1))).
+  const int64_t needed = numel + std::min(numel, num_experts) * (block_size - 1);
+  const int64_t len = sorted_token_ids.size(0);
+  HM_CHECK(kOp, len >= needed, "sorted_token_ids must have at least numel + min(numel, ",
+           "num_experts) * (block_size - 1) = ", needed, " elements (got ", len, ")");
+  HM_CHECK(kOp, len <= kInt32Max, "sorted_token_ids must have at most 2^31-1 elements (got ",
+           len, ")");
+
+  HM_CHECK_DTYPE(kOp, experts_ids, at::kInt);
+  HM_CHECK_DIM(kOp, experts_ids, 1);
+  HM_CHECK_CONTIGUOUS(kOp, experts_ids);
+  HM_CHECK_SAME_DEVICE(kOp, experts_ids, topk_ids);
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  HM_CHECK(kOp, experts_ids.size(0) >= blocks,
+           "experts_ids must have at least ceil(sorted_token_ids.numel() / block_size) = ", blocks,
+           " elements (got ", experts_ids.size(0), ")");
+
+  HM_CHECK_DTYPE(kOp, num_tokens_post_pad, at::kInt);
+  HM_CHECK_NUMEL(kOp, num_tokens_post_pad, 1);
+  HM_CHECK_SAME_DEVICE(kOp, num_tokens_post_pad, topk_ids);
+
+  if (maybe_expert_map) {
+    const auto& m = *maybe_expert_map;
+    check_dtype_named(kOp, m, "maybe_expert_map", at::kInt);
+    check_dim_named(kOp, m, "maybe_expert_map", 1);
+    check_size_named(kOp, m, "maybe_expert_map", 0, num_experts, "num_experts");
+    check_contiguous_named(kOp, m, "maybe_expert_map");
+    check_same_device_named(kOp, m, "maybe_expert_map", topk_ids, "topk_ids");
+  }
+  if (scatter_idx) {
+    const auto& s = *scatter_idx;
+    check_dtype_named(kOp, s, "scatter_idx", at::kInt);
+    check_numel_named(kOp, s, "scatter_idx", numel, "topk_ids.numel()");
+    check_contiguous_named(kOp, s, "scatter_idx");
+    check_same_device_named(kOp, s, "scatter_idx", topk_ids, "topk_ids");
+  }
+}
+
+void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
+                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
+  constexpr const char* kOp = "moe_permute";
+  check_rows_named(kOp, input, "input");
+  const int64_t num_tokens = input.size(0);
+  const int64_t hidden = input.size(1);
+
+  HM_CHECK(kOp, n_expert >= 1 && n_expert <= 65536, "n_expert must be in [1, 65536] (got ",
+           n_expert, ")");
+  HM_CHECK(kOp, n_local_expert >= 1 && n_local_expert <= n_expert,
+           "n_local_expert must be in [1, n_expert] (got ", n_local_expert, ", n_expert ",
+           n_expert, ")");
+
+  HM_CHECK_DTYPE(kOp, topk_ids, HM_INDEX_DTYPES);
+  HM_CHECK_DIM(kOp, topk_ids, 2);
+  HM_CHECK_SIZE(kOp, topk_ids, 0, num_tokens, "input.size(0)");
+  HM_CHECK_CONTIGUOUS(kOp, topk_ids);
+  HM_CHECK_SAME_DEVICE(kOp, topk_ids, input);
+  HM_CHECK(kOp, topk >= 1 && topk == topk_ids.size(1),
+           "topk must be >= 1 and equal topk_ids.size(1) (got topk ", topk,
+           ", topk_ids.size(1) ", topk_ids.size(1), ")");
+  const int64_t slots = num_tokens * topk;
+  HM_CHECK(kOp, slots <= kInt32Max, "topk_ids must have at most 2^31-1 elements (got ", slots,
+           ")");
+
+  HM_CHECK_DTYPE(kOp, token_expert_indices, at::kInt);
+  HM_CHECK_SAME_SHAPE(kOp, token_expert_indices, topk_ids);
+  HM_CHECK_CONTIGUOUS(kOp, token_expert_indices);
+  HM_CHECK_SAME_DEVICE(kOp, token_expert_indices, input);
+
+  if (expert_map) {
+    const auto& m = *expert_map;
+    check_dtype_named(kOp, m, "expert_map", at::kInt);
+    check_dim_named(kOp, m, "expert_map", 1);
+    check_size_named(kOp, m, "expert_map", 0, n_expert, "n_expert");
+    check_contiguous_named(kOp, m, "expert_map");
+    check_same_device_named(kOp, m, "expert_map", input, "input");
+  }
+
+  check_rows_named(kOp, permuted_input, "permuted_input");
+  HM_CHECK(kOp, permuted_input.scalar_type() == input.scalar_type(),
+           "permuted_input must have the dtype of input (", c10::toString(input.scalar_type()),
+           "), got ", c10::toString(permuted_input.scalar_type()));
+  HM_CHECK_SIZE(kOp, permuted_input, 1, hidden, "input.size(1)");
+  HM_CHECK(kOp, permuted_input.size(0) >= slots,
+           "permuted_input must have at least num_tokens * topk = ", slots, " rows (got ",
+           permuted_input.size(0), ")");
+  HM_CHECK_SAME_DEVICE(kOp, permuted_input, input);
+  HM_CHECK_NO_OVERLAP(kOp, permuted_input, input);
+
+  HM_CHECK_DTYPE(kOp, expert_first_token_offset, at::kLong);
+  HM_CHECK_DIM(kOp, expert_first_token_offset, 1);
+  HM_CHECK_SIZE(kOp, expert_first_token_offset, 0, n_local_expert + 1, "n_local_expert + 1");
+  HM_CHECK_CONTIGUOUS(kOp, expert_first_token_offset);
+  HM_CHECK_SAME_DEVICE(kOp, expert_first_token_offset, input);
+
+  HM_CHECK_DTYPE(kOp, inv_permuted_idx, at::kInt);
+  HM_CHECK_SAME_SHAPE(kOp, inv_permuted_idx, topk_ids);
+  HM_CHECK_CONTIGUOUS(kOp, inv_permuted_idx);
+  HM_CHECK_SAME_DEVICE(kOp, inv_permuted_idx, input);
+
+  HM_CHECK_DTYPE(kOp, permuted_idx, at::kInt);
+  HM_CHECK_DIM(kOp, permuted_idx, 1);
+  HM_CHECK(kOp, permuted_idx.size(0) >= slots, "permuted_idx must have at least num_tokens * ",
+           "topk = ", slots, " elements (got ", permuted_idx.size(0), ")");
+  HM_CHECK_CONTIGUOUS(kOp, permuted_idx);
+  HM_CHECK_SAME_DEVICE(kOp, permuted_idx, input);
+}
+
+void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights,
+                   const at::Tensor& inv_permuted_idx,
+                   const OptTensor& expert_first_token_offset, int64_t topk,
+                   at::Tensor& hidden_states) {
+  constexpr const char* kOp = "moe_unpermute";
+  check_rows_named(kOp, permuted_hidden_states, "permuted_hidden_states");
+
+  check_rows_named(kOp, hidden_states, "hidden_states");
+  HM_CHECK(kOp, hidden_states.scalar_type() == permuted_hidden_states.scalar_type(),
+           "hidden_states must have the dtype of permuted_hidden_states (",
+           c10::toString(permuted_hidden_states.scalar_type()), "), got ",
+           c10::toString(hidden_states.scalar_type()));
+  HM_CHECK_SIZE(kOp, hidden_states, 1, permuted_hidden_states.size(1),
+                "permuted_hidden_states.size(1)");
+  HM_CHECK_SAME_DEVICE(kOp, hidden_states, permuted_hidden_states);
+  HM_CHECK_NO_OVERLAP(kOp, hidden_states, permuted_hidden_states);
+  const int64_t num_tokens = hidden_states.size(0);
+
+  HM_CHECK_DTYPE(kOp, topk_weights, at::kFloat);
+  HM_CHECK_DIM(kOp, topk_weights, 2);
+  HM_CHECK_SIZE(kOp, topk_weights, 0, num_tokens, "hidden_states.size(0)");
+  HM_CHECK_CONTIGUOUS(kOp, topk_weights);
+  HM_CHECK_SAME_DEVICE(kOp, topk_weights, permuted_hidden_states);
+  HM_CHECK(kOp, topk >= 1 && topk == topk_weights.size(1),
+           "topk must be >= 1 and equal topk_weights.size(1) (got topk ", topk,
+           ", topk_weights.size(1) ", topk_weights.size(1), ")");
+
+  HM_CHECK_DTYPE(kOp, inv_permuted_idx, at::kInt);
+  HM_CHECK_NUMEL(kOp, inv_permuted_idx, num_tokens * topk, "num_tokens * topk");
+  HM_CHECK_CONTIGUOUS(kOp, inv_permuted_idx);
+  HM_CHECK_SAME_DEVICE(kOp, inv_permuted_idx, permuted_hidden_states);
+
+  if (expert_first_token_offset) {
+    const auto& o = *expert_first_token_offset;
+    check_dtype_named(kOp, o, "expert_first_token_offset", at::kLong);
+    check_dim_named(kOp, o, "expert_first_token_offset", 1);
+    HM_CHECK(kOp, o.size(0) >= 1, "expert_first_token_offset must have at least 1 element ",
+             "(n_local_expert + 1)");
+    check_contiguous_named(kOp, o, "expert_first_token_offset");
+    check_same_device_named(kOp, o, "expert_first_token_offset", permuted_hidden_states,
+                            "permuted_hidden_states");
+  }
+}
+
+void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map,
+                  at::Tensor& output_tensor) {
+  constexpr const char* kOp = "shuffle_rows";
+  check_rows_named(kOp, input_tensor, "input_tensor");
+
+  HM_CHECK_DTYPE(kOp, dst2src_map, HM_INDEX_DTYPES);
+  HM_CHECK_DIM(kOp, dst2src_map, 1);
+  HM_CHECK_CONTIGUOUS(kOp, dst2src_map);
+  HM_CHECK_SAME_DEVICE(kOp, dst2src_map, input_tensor);
+
+  check_rows_named(kOp, output_tensor, "output_tensor");
+  HM_CHECK(kOp, output_tensor.scalar_type() == input_tensor.scalar_type(),
+           "output_tensor must have the dtype of input_tensor (",
+           c10::toString(input_tensor.scalar_type()), "), got ",
+           c10::toString(output_tensor.scalar_type()));
+  HM_CHECK_SIZE(kOp, output_tensor, 0, dst2src_map.size(0), "dst2src_map.size(0)");
+  HM_CHECK_SIZE(kOp, output_tensor, 1, input_tensor.size(1), "input_tensor.size(1)");
+  HM_CHECK_SAME_DEVICE(kOp, output_tensor, input_tensor);
+  HM_CHECK_NO_OVERLAP(kOp, output_tensor, input_tensor);
+}
+
+}  // namespace hopper_moe::check

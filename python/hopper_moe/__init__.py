@@ -11,8 +11,11 @@ import torch
 from . import _C  # noqa: F401  (registers torch.ops.hopper_moe.*)
 from . import _fake  # noqa: F401  (fake/meta implementations)
 from . import ops, reference
-from .fused_moe import fused_experts, fused_moe, fused_topk
+from . import triton as _triton_backend
+from .fused_moe import fused_experts, fused_moe, fused_topk, register_backend
 from .quant import QuantConfig
+
+register_backend("triton", _triton_backend.run, _triton_backend.is_available)
 
 __version__ = "0.1.0"
 

@@ -193,8 +193,9 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, eps: float = 1e-
         out_q = torch.empty(x.shape, dtype=dtype, device=x.device)
     groups = x.shape[-1] // group_size
     if column_major_scales:
+        # Group index outermost in memory: [M, G] with strides (1, M) for a 2-D x.
         x_s = torch.empty((groups,) + x.shape[:-1], dtype=torch.float32,
-                          device=x.device).transpose(0, -1)
+                          device=x.device).movedim(0, -1)
     else:
         x_s = torch.empty(x.shape[:-1] + (groups,), dtype=torch.float32, device=x.device)
     _ops.per_token_group_fp8_quant(x, out_q, x_s, group_size, eps, finfo.min, finfo.max,

@@ -14,12 +14,58 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 namespace hopper_moe {
 
-#define HM_CHECK(op, cond, ...) TORCH_CHECK((cond), "hopper_moe::", op, ": ", __VA_ARGS__)
+// Messages are assembled here into one std::string (numbers through std::to_string, shapes and
+// devices through their own formatting) and only that string is handed to TORCH_CHECK. No
+// number is ever written to a C++ stream by this library: an extension built by a compiler that
+// links its own copy of libstdc++ crashes on stream number formatting inside PyTorch's process.
+namespace detail {
+inline std::string to_msg(const char* s) { return s; }
+inline std::string to_msg(const std::string& s) { return s; }
+inline std::string to_msg(bool b) { return b ? "true" : "false"; }
+inline std::string to_msg(char c) { return std::string(1, c); }
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> &&
+                                           !std::is_same_v<T, char>, int> = 0>
+std::string to_msg(T v) {
+  return std::to_string(v);
+}
+template <typename T, std::enable_if_t<std::is_floating_point_v<T>, int> = 0>
+std::string to_msg(T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+  return buf;
+}
+inline std::string to_msg(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  return buf;
+}
+inline std::string to_msg(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+inline std::string to_msg(const std::vector<int64_t>& v) { return to_msg(at::IntArrayRef(v)); }
+inline std::string to_msg(c10::ScalarType t) { return c10::toString(t); }
+inline std::string to_msg(const c10::Device& d) { return d.str(); }
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string s;
+  (s += ... += to_msg(args));
+  return s;
+}
+}  // namespace detail
+
+#define HM_CHECK(op, cond, ...) \
+  TORCH_CHECK((cond), ::hopper_moe::detail::cat("hopper_moe::", op, ": ", __VA_ARGS__))
 
 inline std::string dtype_list(std::initializer_list<at::ScalarType> dtypes) {
   std::string s;

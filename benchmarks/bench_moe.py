@@ -1,0 +1,626 @@
+"""Whole-layer (and GEMM-only) MoE benchmark of hopper_moe, as ../shared/BENCHMARK.md defines it.
+
+    PYTHONPATH=python python benchmarks/bench_moe.py                       # everything
+    PYTHONPATH=python python benchmarks/bench_moe.py --quick               # a few rows
+    PYTHONPATH=python python benchmarks/bench_moe.py --shapes mixtral --m 1,4,16 \
+        --dtypes bf16,fp8_tensor --backends torch,triton,cute --plot
+    PYTHONPATH=python python benchmarks/bench_moe.py --gemm-only --dtypes fp8_tensor
+
+Per row: median µs of the layer in a CUDA graph with L2 evicted between replays, TFLOP/s,
+GB/s, % of the roofline floor, × baseline (torch backend time / this time) and the relative
+error against hopper_moe.reference on the same inputs. Ceilings are measured in the same run.
+Results: benchmarks/results/<gpu>_<tag>.md and .json. Without a GPU, runs one small layer on
+the CPU, says so, and exits 0. See benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+BASELINE = "torch"
+CANDIDATE_BACKENDS = ["torch", "triton", "cute", "auto"]
+# Relative errors above these are marked "!" (the tests own the real tolerances).
+ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
+
+
+# ------------------------------------------------------------------------ the library
+class Lib:
+    """The calls the benchmark makes, on hopper_moe or (with --selftest) the harness
+    stand-in. Every call either works or raises; nothing here is timed."""
+
+    def __init__(self, selftest: bool):
+        self.selftest = selftest
+        self.notes: list[str] = []
+        if selftest:
+            self.hm = C.HarnessLib
+            self.import_error = None
+            self.notes.append("--selftest: backends are the harness's own torch "
+                              "implementations, not hopper_moe")
+        else:
+            self.hm, self.import_error = C.import_hopper_moe()
+
+    @property
+    def version(self) -> str:
+        return getattr(self.hm, "__version__", "?")
+
+    def fused_experts(self, x, w1, w2, tw, ti, quant, backend):
+        return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
+
+    def module(self, name: str):
+        """hopper_moe.<name> as a module (hopper_moe.fused_moe the attribute is a function)."""
+        if self.selftest:
+            return None
+        try:
+            return importlib.import_module(f"hopper_moe.{name}")
+        except Exception:  # noqa: BLE001
+            return None
+
+    def reference(self, x, w1, w2, tw, ti, quant):
+        """fp32 output: the reference gets fp32 hidden states (an exact upcast of the bf16
+        ones), and returns in the hidden states' dtype."""
+        if self.selftest:
+            return self.hm.fused_experts_ref(x.float(), w1, w2, tw, ti, quant=quant)
+        ref = getattr(self.module("reference"), "fused_experts_ref", None)
+        if ref is None:
+            raise RuntimeError("hopper_moe.reference.fused_experts_ref does not exist")
+        return ref(x.float(), w1, w2, tw, ti, quant=quant)
+
+    def quantize(self, w1, w2, scheme, static_act):
+        if scheme == "bf16":
+            return w1, w2, None
+        if self.selftest:
+            raise NotImplementedError("--selftest covers bf16 only")
+        from hopper_moe.quant import make_quant_config
+        return make_quant_config(w1, w2, scheme, static_act=static_act)
+
+    def available_backends(self, device: torch.device) -> tuple[list[str], str]:
+        """Backends that run a tiny bf16 layer on `device`: the library's own list when it
+        has one, else a probe of each candidate."""
+        if self.selftest:
+            return self.hm.available_backends(device), "harness selftest list"
+        fn = getattr(self.module("fused_moe"), "available_backends", None) or \
+            getattr(self.hm, "available_backends", None)
+        if callable(fn):
+            try:
+                names = list(fn(device))
+                if names:
+                    return names, "hopper_moe.fused_moe.available_backends"
+            except Exception as exc:  # noqa: BLE001
+                self.notes.append("available_backends() raised " + C.short_error(exc))
+        shape = C.SHAPES["tiny"]
+        w1, w2 = C.make_weights(shape, device, seed=7)
+        _, tw, ti = C.routing(4, shape.num_experts, shape.top_k, device, seed=7)
+        x = C.make_hidden(4, shape.hidden_size, device, seed=7)
+        keep = []
+        for b in CANDIDATE_BACKENDS:
+            try:
+                out = self.fused_experts(x, w1, w2, tw, ti, None, b)
+                if isinstance(out, torch.Tensor) and out.shape == x.shape:
+                    keep.append(b)
+            except Exception as exc:  # noqa: BLE001
+                self.notes.append(f"backend {b} not available: " + C.short_error(exc, 100))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return keep, "probed on a tiny layer"
+
+    # GEMM-only ---------------------------------------------------------------------
+    def gemm_only(self, backend: str, scheme: str, x, w1, w2, tw, ti, quant
+                  ) -> tuple[Callable[[], Any] | None, str]:
+        """A zero-argument callable that runs only GEMM1 and GEMM2 of `backend` on operands
+        prepared here (permuted, quantized), and a label saying how; or (None, why not).
+        Order: the library's hook hopper_moe.fused_moe.make_gemm_only(backend, x, w1, w2,
+        topk_weights, topk_ids, quant=...), then the harness's own pairs: torch._grouped_mm
+        (bf16, torch backend) and torch.ops.hopper_moe.cutlass_moe_mm (fp8 per-tensor /
+        per-channel, cute backend)."""
+        device = x.device
+        hook = getattr(self.module("fused_moe"), "make_gemm_only", None)
+        if hook is not None and not self.selftest:
+            try:
+                fn = hook(backend, x, w1, w2, tw, ti, quant=quant)
+                if fn is not None:
+                    return fn, "library make_gemm_only"
+            except NotImplementedError as exc:
+                why = C.short_error(exc, 100)
+            except Exception as exc:  # noqa: BLE001
+                return None, "make_gemm_only raised " + C.short_error(exc, 100)
+            else:
+                why = "make_gemm_only returned None"
+        else:
+            why = "hopper_moe exposes no make_gemm_only hook"
+        if backend in ("torch", "grouped_mm") and scheme == "bf16" and \
+                C.grouped_mm_available(device):
+            return _grouped_mm_pair(x, w1, w2, ti), "harness torch._grouped_mm pair"
+        if backend == "cute" and scheme in ("fp8_tensor", "fp8_channel") and \
+                hasattr(torch.ops.hopper_moe, "cutlass_moe_mm"):
+            try:
+                return _cutlass_pair(x, w1, w2, ti, quant, scheme), "harness cutlass_moe_mm pair"
+            except Exception as exc:  # noqa: BLE001
+                return None, "cutlass_moe_mm pair failed: " + C.short_error(exc, 100)
+        return None, why + f"; no harness GEMM pair for backend {backend} / {scheme}"
+
+
+def _grouped_mm_pair(x, w1, w2, ti):
+    e, two_i, _ = w1.shape
+    _, tok, offs = C.sort_by_expert(ti, e)
+    a1 = x.index_select(0, tok).contiguous()
+    gen = torch.Generator(device=x.device).manual_seed(11)
+    a2 = torch.randn(a1.shape[0], two_i // 2, dtype=x.dtype, device=x.device, generator=gen)
+    b1, b2 = w1.transpose(1, 2), w2.transpose(1, 2)
+
+    def run():
+        return (torch._grouped_mm(a1, b1, offs=offs), torch._grouped_mm(a2, b2, offs=offs))
+    return run
+
+
+def _cutlass_pair(x, w1q, w2q, ti, quant, scheme):
+    """GEMM1 + GEMM2 through torch.ops.hopper_moe.cutlass_moe_mm (OPS.md contract): the
+    activations are quantized and permuted here, outside the timed callable."""
+    ops = torch.ops.hopper_moe
+    dev = x.device
+    e, two_i, h = w1q.shape
+    i = two_i // 2
+    m, k = ti.shape
+    rows = m * k
+    expert_offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    ps1 = torch.empty(e, 3, dtype=torch.int32, device=dev)
+    ps2 = torch.empty(e, 3, dtype=torch.int32, device=dev)
+    a_map = torch.empty(rows, dtype=torch.int32, device=dev)
+    c_map = torch.empty(rows, dtype=torch.int32, device=dev)
+    ops.get_cutlass_moe_mm_data(ti, expert_offsets, ps1, ps2, a_map, c_map, e, i, h, None, True)
+    per_tok = scheme == "fp8_channel"
+    xf = x.float()
+    if per_tok:
+        a_scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    else:
+        a_scale = (xf.abs().amax() / 448.0).clamp(min=1e-12).reshape(1)
+    a1 = (xf / a_scale).clamp(-448, 448).to(C.FP8)[a_map.long()].contiguous()
+    a1_scale = a_scale[a_map.long()].contiguous() if per_tok else a_scale
+    gen = torch.Generator(device=dev).manual_seed(13)
+    a2 = torch.randn(rows, i, device=dev, generator=gen).to(C.FP8)
+    a2_scale = torch.full((rows, 1) if per_tok else (1,), 0.05, device=dev)
+    w1s = quant.w1_scale.reshape(e, -1).float()
+    w2s = quant.w2_scale.reshape(e, -1).float()
+    w1s = w1s.reshape(e) if w1s.shape[1] == 1 else w1s.contiguous()
+    w2s = w2s.reshape(e) if w2s.shape[1] == 1 else w2s.contiguous()
+    ab1 = torch.full((e,), h, dtype=torch.int64, device=dev)
+    c1s = torch.full((e,), two_i, dtype=torch.int64, device=dev)
+    ab2 = torch.full((e,), i, dtype=torch.int64, device=dev)
+    c2s = torch.full((e,), h, dtype=torch.int64, device=dev)
+    c1 = torch.empty(rows, two_i, dtype=torch.bfloat16, device=dev)
+    c2 = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)
+    per_ch = w1s.dim() == 2
+    offsets = expert_offsets[:-1]
+    try:
+        ops.cutlass_moe_mm(c1, a1, w1q, a1_scale, w1s, offsets, ps1, ab1, ab1, c1s, per_tok,
+                           per_ch)
+    except RuntimeError:
+        offsets = expert_offsets[:-1].to(torch.int64)  # OPS.md says int64 [E]
+        ops.cutlass_moe_mm(c1, a1, w1q, a1_scale, w1s, offsets, ps1, ab1, ab1, c1s, per_tok,
+                           per_ch)
+
+    def run():
+        ops.cutlass_moe_mm(c1, a1, w1q, a1_scale, w1s, offsets, ps1, ab1, ab1, c1s, per_tok,
+                           per_ch)
+        ops.cutlass_moe_mm(c2, a2, w2q, a2_scale, w2s, offsets, ps2, ab2, ab2, c2s, per_tok,
+                           per_ch)
+        return c2
+    return run
+
+
+# -------------------------------------------------------------------------------- args
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=None,
+                   help="comma list of " + ",".join(C.SHAPES) + " (default: all of "
+                        "BENCHMARK.md; tiny is a smoke-test shape)")
+    p.add_argument("--m", default=None, help="comma list of token counts (default: "
+                   + ",".join(map(str, C.M_LIST)) + ")")
+    p.add_argument("--dtypes", default="bf16,fp8_tensor",
+                   help="comma list of " + ",".join(C.SCHEMES) + " (default bf16,fp8_tensor; "
+                        "fp8_block runs only where H and I are multiples of 128)")
+    p.add_argument("--backends", default=None,
+                   help="comma list of torch,triton,cute,auto,reference (default: every "
+                        "available backend; reference, the fp32 check, only when named)")
+    p.add_argument("--gemm-only", action="store_true",
+                   help="time only GEMM1 + GEMM2 where a backend exposes them")
+    p.add_argument("--zipf", type=float, nargs="?", const=1.2, default=0.0,
+                   help="skewed routing: add -s*log(rank) to the logits (default s=1.2)")
+    p.add_argument("--static-act", action="store_true",
+                   help="FP8 per-tensor with static activation scales (default dynamic)")
+    p.add_argument("--iters", type=int, default=None, help="timed replays (default 100, >= 50)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up replays (default 10)")
+    p.add_argument("--no-evict", action="store_true",
+                   help="do not evict L2 between replays (hot-cache numbers)")
+    p.add_argument("--no-graph", action="store_true", help="eager timing instead of graphs")
+    p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"),
+                   help="result folder (default benchmarks/results)")
+    p.add_argument("--tag", default=None, help="file names <gpu>_<tag>.md/.json "
+                   "(default moe, moe_gemm with --gemm-only, plus _zipf)")
+    p.add_argument("--plot", action="store_true",
+                   help="PNGs: latency and %% of floor vs M, one per shape x dtype")
+    p.add_argument("--quick", action="store_true",
+                   help="mixtral + qwen3_30b, M in " + ",".join(map(str, C.QUICK_M_LIST))
+                        + ", 50 replays")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None,
+                   help="cuda (default when present) or cpu (runs the whole pipeline on the "
+                        "CPU with wall-clock timing: a harness check, not a benchmark)")
+    p.add_argument("--selftest", action="store_true",
+                   help="time the harness's own torch layers instead of hopper_moe (bf16)")
+    args = p.parse_args(argv)
+    args.shape_list = C.parse_list(args.shapes) or (
+        ["mixtral", "qwen3_30b"] if args.quick else list(C.DEFAULT_SHAPES))
+    args.m_list = C.parse_list(args.m, int) or (C.QUICK_M_LIST if args.quick else C.M_LIST)
+    args.dtype_list = C.parse_list(args.dtypes)
+    args.backend_list = C.parse_list(args.backends)
+    if args.iters is None:
+        args.iters = 50 if args.quick else 100
+    if args.quick:
+        args.warmup = min(args.warmup, 5)
+    for s in args.shape_list:
+        if s not in C.SHAPES:
+            p.error(f"unknown shape {s!r}; known: {', '.join(C.SHAPES)}")
+    for d in args.dtype_list:
+        if d not in C.SCHEMES:
+            p.error(f"unknown dtype {d!r}; known: {', '.join(C.SCHEMES)}")
+    if args.tag is None:
+        args.tag = "moe_gemm" if args.gemm_only else "moe"
+        if args.zipf:
+            args.tag += "_zipf"
+    return args
+
+
+# ---------------------------------------------------------------------------- no GPU
+def run_no_gpu(args) -> int:
+    """One small layer through the CPU path (reference and torch backends)."""
+    print(C.no_gpu_banner())
+    lib = Lib(args.selftest)
+    if lib.hm is None:
+        print(f"hopper_moe could not be imported ({lib.import_error}); nothing to run.")
+        print(C.no_gpu_banner())
+        return 0
+    shape = C.SHAPES["tiny"]
+    m = 4
+    dev = torch.device("cpu")
+    w1, w2 = C.make_weights(shape, dev, seed=args.seed)
+    _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, dev, seed=args.seed)
+    x = C.make_hidden(m, shape.hidden_size, dev, seed=args.seed + 1)
+    print(f"layer: M={m} E={shape.num_experts} topk={shape.top_k} H={shape.hidden_size} "
+          f"I={shape.intermediate_size}, bf16, hopper_moe {lib.version}")
+    try:
+        ref = lib.reference(x, w1, w2, tw, ti, None)
+        print(f"reference (fp32): out[0,:4] = {ref[0, :4].float().tolist()}, "
+              f"||out|| = {ref.float().norm().item():.4f}")
+    except Exception as exc:  # noqa: BLE001
+        ref = None
+        print("reference failed: " + C.short_error(exc))
+    for b in ("reference", "torch"):
+        try:
+            t, out = C.time_wall(lambda: lib.fused_experts(x, w1, w2, tw, ti, None, b),
+                                 iters=10, warmup=1)
+        except Exception as exc:  # noqa: BLE001
+            print(f"backend {b}: failed: " + C.short_error(exc))
+            continue
+        print(f"backend {b}: {t.median_us:.0f} µs (CPU wall clock, median of {t.iters}), "
+              f"out[0,:4] = {[round(v, 4) for v in out[0, :4].float().tolist()]}, "
+              f"rel err vs reference {C.fmt_err(C.rel_error(out, ref))}")
+    print(C.no_gpu_banner())
+    return 0
+
+
+# ---------------------------------------------------------------------------- the rows
+def build_row(shape: C.MoEShape, scheme: str, m: int, backend: str, timing: C.Timing | None,
+              flops: int, nbytes: int, floor: float, bound: str, touched: int,
+              err: float | None, error: str = "", how: str = "") -> dict[str, Any]:
+    row: dict[str, Any] = dict(
+        shape=shape.name, E=shape.num_experts, topk=shape.top_k, H=shape.hidden_size,
+        I=shape.intermediate_size, dtype=scheme, M=m, backend=backend, experts_touched=touched,
+        flops=flops, bytes=nbytes, floor_us=floor, floor_bound=bound, rel_err=err,
+        error=error, how=how)
+    if timing is not None:
+        t = timing.median_us
+        row.update(us=t, p10_us=timing.p10_us, p90_us=timing.p90_us, iters=timing.iters,
+                   mode=timing.mode, note=timing.note, tflops=flops / t * 1e-6,
+                   gbs=nbytes / t * 1e-3, pct_floor=100.0 * floor / t)
+    return row
+
+
+def fill_baseline(rows: list[dict[str, Any]]) -> None:
+    base = {(r["shape"], r["dtype"], r["M"]): r["us"] for r in rows
+            if r["backend"] == BASELINE and r.get("us")}
+    for r in rows:
+        b = base.get((r["shape"], r["dtype"], r["M"]))
+        r["x_baseline"] = (b / r["us"]) if (b and r.get("us")) else None
+
+
+def err_cell(r: dict[str, Any]) -> str:
+    e = r.get("rel_err")
+    s = C.fmt_err(e)
+    if e is not None and (math.isnan(e) or e > ERR_MARK.get(r["dtype"], 1e-2)):
+        s += " !"
+    return s
+
+
+ROW_HEADERS = ["shape", "dtype", "M", "backend", "µs", "TFLOP/s", "GB/s", "% of floor",
+               "× baseline", "rel err", "floor µs", "experts", "timing"]
+
+
+def row_cells(r: dict[str, Any]) -> list[str]:
+    if r.get("us") is None:
+        return [r["shape"], r["dtype"], str(r["M"]), r["backend"], "—", "—", "—", "—", "—",
+                err_cell(r), C.fmt(r["floor_us"]) + " " + r["floor_bound"],
+                str(r["experts_touched"]), "failed: " + r.get("error", "")]
+    timing = r["mode"] + (f" ({r['note']})" if r.get("note") else "")
+    if r.get("how"):
+        timing += f" [{r['how']}]"
+    return [r["shape"], r["dtype"], str(r["M"]), r["backend"], C.fmt(r["us"]),
+            C.fmt(r["tflops"], ".1f"), C.fmt(r["gbs"], ".0f"), C.fmt(r["pct_floor"], ".1f"),
+            C.fmt(r.get("x_baseline"), ".2f"), err_cell(r),
+            C.fmt(r["floor_us"]) + " " + r["floor_bound"], str(r["experts_touched"]), timing]
+
+
+def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list[str], list]:
+    """One line per (shape, dtype, M): floor, each backend's µs (% of floor), the best, and
+    how far auto is from the best."""
+    headers = ["shape", "dtype", "M", "floor µs"] + [f"{b} µs (%fl)" for b in backends] + \
+              ["best", "best × torch", "max err"]
+    keyed: dict[tuple, dict[str, dict]] = {}
+    order: list[tuple] = []
+    for r in rows:
+        k = (r["shape"], r["dtype"], r["M"])
+        if k not in keyed:
+            keyed[k] = {}
+            order.append(k)
+        keyed[k][r["backend"]] = r
+    out = []
+    for k in order:
+        by = keyed[k]
+        any_r = next(iter(by.values()))
+        cells = [k[0], k[1], str(k[2]), C.fmt(any_r["floor_us"])]
+        timed = {b: r for b, r in by.items() if r.get("us") and b != "reference"}
+        for b in backends:
+            r = by.get(b)
+            if r is None:
+                cells.append("")
+            elif r.get("us") is None:
+                cells.append("fail")
+            else:
+                cells.append(f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
+        if timed:
+            best = min(timed, key=lambda b: timed[b]["us"])
+            base = by.get(BASELINE, {}).get("us")
+            cells += [best, C.fmt(base / timed[best]["us"], ".2f") if base else "—"]
+        else:
+            cells += ["—", "—"]
+        errs = [r["rel_err"] for r in by.values() if r.get("rel_err") is not None]
+        cells.append(C.fmt_err(max(errs)) if errs else "—")
+        out.append(cells)
+    return headers, out
+
+
+def print_row(r: dict[str, Any]) -> None:
+    c = row_cells(r)
+    print(f"  {c[0]:<16} {c[1]:<11} M={c[2]:<5} {c[3]:<10} {c[4]:>9} µs | {c[5]:>7} TFLOP/s | "
+          f"{c[6]:>6} GB/s | {c[7]:>5} % floor | {c[8]:>5} × base | err {c[9]:<9} | "
+          f"floor {c[10]} | {c[12]}", flush=True)
+
+
+# ------------------------------------------------------------------------------- main
+def run(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda asked for, but no GPU is visible.")
+        return run_no_gpu(args)
+    lib = Lib(args.selftest)
+    if lib.hm is None:
+        print(f"hopper_moe could not be imported: {lib.import_error}\n"
+              "Build it (tools/dev_build.sh) and run with PYTHONPATH=python, or use --selftest.")
+        return 1
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = C.collect_env(device)
+    if args.selftest:
+        env["hopper_moe"] = "not used (--selftest)"
+    print(f"# bench_moe on {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
+          f"hopper_moe {env['hopper_moe']}")
+    print(f"# {env['command']}")
+    if device.type == "cpu":
+        print("# --device cpu: wall-clock timing, CPU ceilings; a harness check, not a benchmark")
+
+    ceil = C.measure_ceilings(device, quick=args.quick)
+    print(f"# ceilings: {ceil.describe()}")
+    if device.type == "cuda" and args.iters < 50:
+        print(f"# note: {args.iters} timed replays (< 50): not a BENCHMARK.md number")
+    for n in ceil.notes:
+        print(f"# note: {n}")
+
+    if args.backend_list:
+        backends, how = list(args.backend_list), "--backends"
+    else:
+        backends, how = lib.available_backends(device)
+        backends = [b for b in backends if b != "reference"]
+        if backends and "auto" not in backends and not args.selftest:
+            backends.append("auto")  # the dispatcher's choice, timed like a backend
+    if BASELINE not in backends:
+        lib.notes.append(f"baseline backend {BASELINE!r} not in this run: × baseline is empty")
+    print(f"# backends ({how}): {', '.join(backends) or 'none'}")
+    for n in lib.notes:
+        print(f"# note: {n}")
+    if not backends:
+        print("no backend to time.")
+        return 1
+
+    evict = None if (args.no_evict or device.type != "cuda") else C.L2Evictor(device)
+    notes: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for shape_name in args.shape_list:
+        shape = C.SHAPES[shape_name]
+        schemes = []
+        for scheme in args.dtype_list:
+            ok, why = C.scheme_applies(shape, scheme)
+            if ok:
+                schemes.append(scheme)
+            else:
+                notes.append(why)
+                print("# " + why)
+        if not schemes:
+            continue
+        w1, w2 = C.make_weights(shape, device, seed=args.seed + 101)
+        for scheme in schemes:
+            try:
+                w1q, w2q, quant = lib.quantize(w1, w2, scheme, args.static_act)
+            except Exception as exc:  # noqa: BLE001
+                why = f"{shape.name} {scheme}: quantization failed: " + C.short_error(exc)
+                notes.append(why)
+                print("# " + why)
+                continue
+            print(f"## {shape.name} (E={shape.num_experts}, topk={shape.top_k}, "
+                  f"H={shape.hidden_size}, I={shape.intermediate_size}) {scheme}"
+                  + (" GEMM-only" if args.gemm_only else ""), flush=True)
+            for m in args.m_list:
+                rows += run_m(args, lib, device, ceil, evict, shape, scheme, m, w1q, w2q,
+                              quant, backends, notes)
+            del w1q, w2q, quant
+        del w1, w2
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    fill_baseline(rows)
+    return report(args, env, ceil, backends, rows, notes + lib.notes, device)
+
+
+def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, scheme: str,
+          m: int, w1q, w2q, quant, backends: list[str], notes: list[str]) -> list[dict]:
+    seed = args.seed * 100003 + m
+    _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, device, seed=seed, zipf=args.zipf)
+    x = C.make_hidden(m, shape.hidden_size, device, seed=seed + 1)
+    touched = C.experts_touched(ti, shape.num_experts)
+    sbytes = C.scale_bytes(quant, shape.num_experts, touched)
+    flops = C.layer_flops(shape, m)
+    if args.gemm_only:
+        nbytes = C.gemm_only_bytes(shape, m, scheme, touched, sbytes)
+    else:
+        nbytes = C.layer_bytes(shape, m, scheme, touched, sbytes)
+    floor, bound = C.floor_us(nbytes, flops, ceil.copy_bw, ceil.peak(scheme))
+
+    ref = None
+    ref_err = ""
+    if not args.gemm_only:
+        try:
+            with torch.no_grad():
+                ref = lib.reference(x, w1q, w2q, tw, ti, quant)
+        except Exception as exc:  # noqa: BLE001
+            ref_err = "reference failed: " + C.short_error(exc, 100)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    out_rows = []
+    for b in backends:
+        how = ""
+        if args.gemm_only:
+            fn, how = lib.gemm_only(b, scheme, x, w1q, w2q, tw, ti, quant)
+            if fn is None:
+                row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound,
+                                touched, None, error="GEMM-only not possible: " + how)
+                out_rows.append(row)
+                continue
+        else:
+            def fn(b=b):
+                return lib.fused_experts(x, w1q, w2q, tw, ti, quant, b)
+        try:
+            with torch.no_grad():
+                timing, out = C.time_fn(fn, device, iters=args.iters, warmup=args.warmup,
+                                        evict=evict, use_graph=not args.no_graph)
+        except Exception as exc:  # noqa: BLE001
+            if device.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # noqa: BLE001
+                    pass
+            row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound, touched,
+                            None, error=C.short_error(exc, 120), how=how)
+        else:
+            err = None
+            if not args.gemm_only:
+                err = C.rel_error(out, ref) if ref is not None else float("nan")
+            row = build_row(shape, scheme, m, b, timing, flops, nbytes, floor, bound,
+                            touched, err, error=ref_err, how=how)
+            del out
+        out_rows.append(row)
+    fill_baseline(out_rows)
+    for row in out_rows:
+        print_row(row)
+    del ref
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out_rows
+
+
+def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
+           notes: list[str], device) -> int:
+    fill_baseline(rows)
+    stem = f"{C.gpu_slug(env['gpu'])}_{args.tag}"
+    what = "GEMM1 + GEMM2 only" if args.gemm_only else "whole MoE layer"
+    extra = [
+        f"work: {what}; routing softmax over N(0,1) logits, top-k, renormalized"
+        + (f", Zipf skew s={args.zipf}" if args.zipf else "") + f"; seed {args.seed}",
+        (f"timing: {'eager' if args.no_graph else 'CUDA graph'} of one call, {args.warmup} "
+         f"warm-up replays, median of {args.iters} timed replays, "
+         + ("no L2 eviction" if args.no_evict
+            else "256 MiB L2 eviction write between replays (outside the timed region)"))
+        if device.type == "cuda" else "timing: CPU wall clock, median (a harness check)",
+        "floor = max(bytes / copy BW, flops / dense peak); bytes = touched experts x 3HI x "
+        "bytes/weight + scales + " + ("GEMM activations in/out" if args.gemm_only
+                                      else "M x H x (2 + 2)") + "; flops = 2 M topk 3 H I",
+        f"× baseline = {BASELINE} backend time / this time (> 1 is faster than {BASELINE}); "
+        "rel err = ||out - ref|| / ||ref|| vs hopper_moe.reference in fp32 on the same inputs"
+        " ('!' = above " + ", ".join(f"{k} {v:g}" for k, v in ERR_MARK.items()) + ")",
+        f"backends: {', '.join(backends)}",
+    ] + [f"note: {n}" for n in dict.fromkeys(notes)]
+    md = C.env_header_md(f"hopper_moe {what}: {env['gpu']}", env, ceil, extra)
+    ch, crows = compact_table(rows, backends)
+    md += "\n## Summary\n\n" + C.markdown_table(ch, crows) + "\n"
+    md += "\n## All rows\n\n" + C.markdown_table(ROW_HEADERS, [row_cells(r) for r in rows]) + "\n"
+    payload = dict(env=env, ceilings=ceil, args={k: v for k, v in vars(args).items()},
+                   backends=backends, notes=list(dict.fromkeys(notes)), rows=rows)
+    md_path, js_path = C.write_results(args.out, stem, md, payload)
+    if args.plot:
+        try:
+            import plot as P
+            paths, msg = P.plot_moe(payload, args.out, stem)
+            print(msg)
+        except Exception as exc:  # noqa: BLE001
+            print("plot failed: " + C.short_error(exc))
+    print()
+    print(f"# {env['command']}")
+    print(f"# {env['gpu']}, {ceil.describe()}")
+    print(f"# wrote {C.show_path(md_path)} and {C.show_path(js_path)}")
+    print(C.text_table(ch, crows))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device is None and not torch.cuda.is_available():
+        return run_no_gpu(args)
+    t0 = time.time()
+    rc = run(args)
+    print(f"# done in {time.time() - t0:.0f} s")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+// FP8 (float8_e4m3fn) helpers shared by the CPU definitions and the CUDA kernels.
+//
+// Every quantizing op computes, in fp32,
+//     v = x * (1 / scale)   or   v = x / scale      (which one depends on the op)
+//     r = clamp(v)                                  (fminf/fmaxf: the order fixes where NaN goes)
+//     q = e4m3(r)                                   (round to nearest even)
+// with the same expressions on both devices. IEEE division, multiplication, fminf/fmaxf and
+// RNE conversion are exact operations, so the CPU and the GPU produce identical bytes.
+// The conversion never sees |r| > 448 or NaN, so saturation rules of the converter never matter:
+// c10's software converter (host) and the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` (device) agree
+// on every input that reaches them.
+//
+// Include from .cpp and .cu files alike; device-only parts are guarded by __CUDACC__.
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#include <cuda_fp8.h>
+#define HM_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define HM_HOST_DEVICE inline
+#endif
+
+namespace hopper_moe::fp8 {
+
+// Largest finite float8_e4m3fn.
+constexpr float kE4M3Max = 448.0f;
+// Smallest scale the dynamic quantizers produce: an all-zero (or tiny) tensor still gets a
+// finite, non-zero scale, and x / scale stays finite.
+constexpr float kMinScale = 1.0f / (kE4M3Max * 512.0f);
+
+HM_HOST_DEVICE uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+HM_HOST_DEVICE float bits_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// Clamp of the scaled-quant family (static, dynamic, per-token, silu_and_mul_quant):
+// fmaxf(-448, fminf(v, 448)). fminf(NaN, 448) is 448, so NaN maps to +448.
+HM_HOST_DEVICE float clamp_e4m3(float v) { return fmaxf(-kE4M3Max, fminf(v, kE4M3Max)); }
+
+// Clamp of per_token_group_fp8_quant: fminf(fmaxf(v, lo), hi). fmaxf(NaN, lo) is lo, so NaN
+// maps to lo (fp8_min).
+HM_HOST_DEVICE float clamp_range(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
+
+// Smallest power of two >= max(s, 1e-10) for finite s >= 0, computed exactly from the bits
+// (the UE8M0 scale format stores only an exponent). inf stays inf.
+HM_HOST_DEVICE float ue8m0_round_up(float s) {
+  const float t = fmaxf(fabsf(s), 1e-10f);  // >= 1e-10: always a normal float (or inf)
+  const uint32_t bits = float_bits(t);
+  const uint32_t exponent = bits >> 23;     // sign is 0
+  const uint32_t mantissa = bits & 0x7fffffu;
+  if (exponent == 0xffu || mantissa == 0u) return t;  // inf, or already a power of two
+  return bits_float((exponent + 1u) << 23);           // 2^(e+1); exponent 0xff gives inf
+}
+
+// Host conversion (c10's software RNE converter), returning the raw byte.
+inline uint8_t e4m3_bits_host(float r) { return c10::Float8_e4m3fn(r).x; }
+
+#ifdef __CUDACC__
+// Device conversion (hardware RNE converter), returning the raw byte.
+__device__ __forceinline__ uint8_t e4m3_bits(float r) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Non-negative floats order like their bit patterns as signed ints, so a max over them is an
+// integer atomicMax. *addr must already hold a non-negative float; v must be >= 0 and not NaN.
+__device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
+  atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
+}
+#endif
+
+}  // namespace hopper_moe::fp8

@@ -1,0 +1,90 @@
+"""Tile configs of the Triton MoE GEMM, chosen from a finite set of token-count buckets.
+
+A config is a dict: BLOCK_M/N/K, GROUP_M, SWAP_AB, num_warps, num_stages. Lookup order:
+  1. a JSON file named as vLLM names its tuned files,
+     `E={E},N={I},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json`, keyed by M
+     (nearest key wins), in $HOPPER_MOE_CONFIG_DIR (user files win) or hopper_moe/configs/;
+  2. the default heuristic below.
+Either way the number of distinct configs, hence compiled kernels, is bounded.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
+_SHIPPED = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_file_name(num_experts: int, intermediate: int, scheme: str,
+                     device_name: str | None = None) -> str:
+    dev = (device_name or _device_name()).replace(" ", "_")
+    name = f"E={num_experts},N={intermediate},device_name={dev}"
+    if scheme != "bf16":
+        name += ",dtype=fp8_w8a8"
+    if scheme == "fp8_block":
+        name += ",block_shape=[128,128]"
+    return name + ".json"
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _load(file_name: str) -> dict[int, dict] | None:
+    for folder in (os.environ.get("HOPPER_MOE_CONFIG_DIR"), _SHIPPED):
+        if folder and (Path(folder) / file_name).is_file():
+            with open(Path(folder) / file_name) as f:
+                return {int(m): cfg for m, cfg in json.load(f).items()}
+    return None
+
+
+def bucket(num_tokens: int) -> int:
+    """The nearest bucket at or above num_tokens (the largest one beyond it)."""
+    for m in M_BUCKETS:
+        if num_tokens <= m:
+            return m
+    return M_BUCKETS[-1]
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -> dict:
+    """Heuristic tiles for Hopper. Few rows per expert: swap-AB with a 16-row token side and a
+    wide weight tile; many rows: the standard mapping with 64/128-row tiles."""
+    m = bucket(num_tokens)
+    rows_per_expert = max(1, (m * top_k) // max(num_experts, 1))
+    fp8 = scheme != "bf16"
+    block_k = 128 if fp8 else 64
+    if rows_per_expert <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k * (2 if not fp8 else 1), GROUP_M=1,
+                   SWAP_AB=True, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        cfg = dict(BLOCK_M=32 if rows_per_expert <= 32 else 64, BLOCK_N=128, BLOCK_K=block_k,
+                   GROUP_M=1, SWAP_AB=True, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BLOCK_M=64 if m <= 1024 else 128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8,
+                   SWAP_AB=False, num_warps=8 if m > 1024 else 4, num_stages=3)
+    if scheme == "fp8_block":
+        cfg["BLOCK_K"] = 128
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 128)
+    return cfg
+
+
+def get_config(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
+               scheme: str) -> dict:
+    """Config of both GEMMs of a layer (w1 [E, 2*intermediate, H], w2 [E, H, intermediate])
+    for this token count; they share BLOCK_M because they share one alignment."""
+    default = default_config(num_tokens, top_k, num_experts, scheme)
+    table = _load(config_file_name(num_experts, intermediate, scheme)) \
+        if torch.cuda.is_available() else None
+    if not table:
+        return default
+    key = min(table, key=lambda m: abs(m - num_tokens))
+    cfg = dict(default, **table[key])
+    if "SWAP_AB" not in table[key]:
+        cfg["SWAP_AB"] = cfg["BLOCK_M"] < 64
+    return cfg

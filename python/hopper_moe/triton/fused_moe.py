@@ -1,0 +1,164 @@
+"""The Triton MoE layer: align -> (quant) -> GEMM1 -> SiLU*mul (+quant) -> GEMM2 (* weight) -> sum.
+
+`fused_experts_triton` is what `hopper_moe.fused_experts(..., backend="triton")` runs. Arguments
+are validated by the caller (hopper_moe.fused_moe); this module only plans and launches.
+Configs come from `configs.get_config` (finite M buckets, so a new token count never means a
+new compiled kernel).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .. import ops
+from .configs import get_config
+from .moe_gemm import moe_gemm_kernel
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_QUANT_NONE, _QUANT_TENSOR, _QUANT_CHANNEL, _QUANT_BLOCK = 0, 1, 2, 3
+
+
+def _quantize_act(x: torch.Tensor, quant, static_scale: torch.Tensor | None):
+    """Quantize activations [rows, K] per the scheme; returns (x_q, scale, stride_asm,
+    stride_ask)."""
+    if quant.block_shape is not None:
+        xq, xs = ops.per_token_group_quant_fp8(x, quant.block_shape[1])
+        return xq, xs, xs.stride(0), xs.stride(1)
+    if quant.per_act_token_quant:
+        xq, xs = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+        return xq, xs, xs.stride(0), 0
+    xq, xs = ops.scaled_fp8_quant(x, static_scale)
+    return xq, xs, 0, 0
+
+
+def _quant_mode(quant) -> int:
+    if quant is None:
+        return _QUANT_NONE
+    if quant.block_shape is not None:
+        return _QUANT_BLOCK
+    if quant.per_act_token_quant or quant.per_out_ch_quant:
+        return _QUANT_CHANNEL
+    return _QUANT_TENSOR
+
+
+def _weight_scale_strides(scale: torch.Tensor, mode: int):
+    """(stride over experts, over N groups/channels, over K groups) of a weight scale."""
+    if mode == _QUANT_BLOCK:
+        return scale.stride(0), scale.stride(1), scale.stride(2)
+    if mode == _QUANT_CHANNEL and scale.dim() >= 2 and scale.size(1) > 1:
+        return scale.stride(0), scale.stride(1), 0
+    return scale.stride(0), 0, 0
+
+
+def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, sorted_token_ids,
+                    expert_ids, num_tokens_post_padded, top_k: int, num_slots: int, quant,
+                    mul_routed_weight: bool, config: dict) -> None:
+    """C[slot] = A[slot // top_k] . B[expert]^T for every slot of the aligned blocks."""
+    n, k = b.shape[1], b.shape[2]
+    mode = _quant_mode(quant)
+    num_sorted = sorted_token_ids.numel()
+    grid = (triton.cdiv(num_sorted, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    dummy = c  # stands in for absent pointers (never read)
+    if mode == _QUANT_NONE:
+        bse = bsn = bsk = 0
+        b_scale = dummy
+        a_scale = dummy
+    else:
+        bse, bsn, bsk = _weight_scale_strides(b_scale, mode)
+    group_n, group_k = (quant.block_shape if mode == _QUANT_BLOCK else (1, 1))
+    moe_gemm_kernel[grid](
+        a, b, c, a_scale, b_scale, topk_weights if mul_routed_weight else dummy,
+        sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, num_slots, num_sorted,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1),
+        stride_as[0], stride_as[1],
+        bse, bsn, bsk,
+        TOP_K=top_k,
+        QUANT=mode,
+        PER_ACT_TOKEN=bool(quant is not None and quant.per_act_token_quant),
+        PER_OUT_CH=bool(quant is not None and quant.per_out_ch_quant),
+        GROUP_N=group_n,
+        GROUP_K=group_k,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        SWAP_AB=config["SWAP_AB"],
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"],
+        INTERPRETER=_INTERPRET,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+
+
+def _identity_map(num_experts: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(num_experts, dtype=torch.int32, device=device)
+
+
+def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         apply_router_weight_on_input: bool = False,
+                         global_num_experts: int = -1,
+                         expert_map: torch.Tensor | None = None,
+                         quant=None) -> torch.Tensor:
+    """[M, H] -> [M, H] through the experts chosen by topk_ids, with Triton GEMMs."""
+    num_tokens, hidden = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    num_experts = w1.shape[0] if global_num_experts == -1 else global_num_experts
+    inter2 = w1.shape[1]
+    out_dtype = hidden_states.dtype
+    out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=hidden_states.device)
+    if num_tokens == 0:
+        return out
+    num_slots = num_tokens * top_k
+    mode = _quant_mode(quant)
+    scheme = "bf16" if mode == _QUANT_NONE else quant.scheme
+
+    cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme)
+    sorted_ids, expert_ids, ntp = ops.moe_align_block_size_buffers(topk_ids, num_experts,
+                                                                   cfg["BLOCK_M"])
+    ops.moe_align_block_size(topk_ids, num_experts, cfg["BLOCK_M"], sorted_ids, expert_ids,
+                             ntp, expert_map)
+
+    x = hidden_states
+    if apply_router_weight_on_input:
+        x = (x.float() * topk_weights.view(num_tokens, 1)).to(out_dtype)
+
+    if mode == _QUANT_NONE:
+        a1, a1_s, a1_st = x, None, (0, 0)
+    else:
+        a1, a1_s, asm, ask = _quantize_act(x, quant, quant.a1_scale)
+        a1_st = (asm, ask)
+    # Rows of slots that are never placed (ids outside [0, num_experts)) stay unwritten; a
+    # dynamic per-tensor requantization takes its amax over every row, so those rows must be
+    # zero there. Other schemes never read them.
+    dynamic_q2 = mode == _QUANT_TENSOR and quant.a2_scale is None
+    cache1 = (torch.zeros if dynamic_q2 else torch.empty)((num_slots, inter2), dtype=out_dtype,
+                                                           device=x.device)
+    invoke_moe_gemm(a1, w1, cache1, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
+                    topk_weights, sorted_ids, expert_ids, ntp, top_k, num_slots, quant, False,
+                    cfg)
+
+    if mode == _QUANT_TENSOR and quant.a2_scale is not None:
+        a2 = ops.silu_and_mul_quant(None, cache1, quant.a2_scale)
+        a2_s, a2_st = quant.a2_scale, (0, 0)
+    else:
+        act = ops.silu_and_mul(None, cache1)
+        if mode == _QUANT_NONE:
+            a2, a2_s, a2_st = act, None, (0, 0)
+        else:
+            a2, a2_s, asm, ask = _quantize_act(act, quant, None)
+            a2_st = (asm, ask)
+    cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
+    invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
+                    topk_weights, sorted_ids, expert_ids, ntp, 1, num_slots, quant,
+                    not apply_router_weight_on_input, cfg)
+    # Slots with an id outside [0, num_experts) were never placed, so their rows of cache2 are
+    # unwritten; an identity map makes moe_sum skip them as it skips non-local experts.
+    sum_map = expert_map if expert_map is not None else _identity_map(num_experts, x.device)
+    ops.moe_sum(cache2.view(num_tokens, top_k, hidden), out, topk_ids, sum_map)
+    return out

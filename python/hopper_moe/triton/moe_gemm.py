@@ -1,0 +1,182 @@
+"""Grouped expert GEMM over aligned token blocks (Triton).
+
+One program computes a BLOCK_M x BLOCK_N tile of C for one block of `sorted_token_ids`
+(the `moe_align_block_size` layout: every block holds slots of a single expert):
+
+    C[slot, n] = scale * sum_k A[slot // a_rows_per_token... , k] * B[e, n, k]   (* routed weight)
+
+Operand roles
+  A  [rows, K]   activations (bf16/fp16, or fp8 e4m3 with scales); row of slot s is s // TOP_K
+                 for GEMM1 (A is per token) and s for GEMM2 (A is per slot: pass TOP_K = 1).
+  B  [E, N, K]   expert weights, K contiguous.
+  C  [slots, N]  output rows in slot order (slot = t * top_k + k).
+
+Swap-AB: when a block holds few token rows, the MMA's 64-row side would be mostly idle. With
+SWAP_AB the program computes the transposed tile, C^T = B_tile . A_tile^T, so the weight tile
+(BLOCK_N rows) takes the wide side and the tokens (BLOCK_M) become the narrow N side; the
+epilogue stores through a transposed index. The result is the same function; it is a mapping
+choice made per launch from the config.
+
+Scales (QUANT): 0 none; 1 per-tensor activation x per-expert weight; 2 per-token activation
+(a_scale [rows]) x per-channel weight (b_scale [E, N]); either side may be per-tensor in mode 2
+(PER_ACT_TOKEN / PER_OUT_CH); 3 block-wise: a_scale [rows, K/GROUP_K], b_scale
+[E, N/GROUP_N, K/GROUP_K], applied inside the K loop (BLOCK_K == GROUP_K).
+
+INTERPRETER is set only under TRITON_INTERPRET=1. The CPU interpreter (Triton 3.8) computes a
+bf16 tl.dot wrongly and converts fp32 to bf16 by truncation, so there the operands are widened
+to fp32 first and the output is rounded to nearest-even by hand; compiled kernels skip both.
+
+No recompilation across token counts: every integer whose value follows the number of tokens
+(`num_slots`, `num_sorted`) is in do_not_specialize, and the launch grid is not part of the
+compiled kernel's key; shapes (N, K, strides) follow the model, not the batch.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Integer arguments whose values vary with the token count: never specialized.
+TOKEN_DEPENDENT_ARGS = ["num_slots", "num_sorted"]
+
+
+@triton.jit(do_not_specialize=TOKEN_DEPENDENT_ARGS)
+def moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr,
+    a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    N, K,
+    num_slots, num_sorted,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_cm, stride_cn,
+    stride_asm, stride_ask,
+    stride_bse, stride_bsn, stride_bsk,
+    TOP_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    PER_ACT_TOKEN: tl.constexpr,
+    PER_OUT_CH: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % (GROUP_M * num_pid_n)) % group_size_m)
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size_m
+
+    num_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_token_ids_ptr + offs_m, mask=offs_m < num_sorted,
+                    other=num_slots).to(tl.int64)
+    row_ok = slots < num_slots
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = offs_n < N
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    if SWAP_AB:
+        c_ptrs = c_ptr + slots[None, :] * stride_cm + offs_n[:, None] * stride_cn
+        c_mask = row_ok[None, :] & col_ok[:, None]
+    else:
+        c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = row_ok[:, None] & col_ok[None, :]
+
+    if expert < 0:
+        # Not a local expert: its slots contribute zero.
+        if SWAP_AB:
+            tl.store(c_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=c_ptr.dtype.element_ty),
+                     mask=c_mask)
+        else:
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                     mask=c_mask)
+        return
+
+    a_rows = slots // TOP_K
+    offs_k = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + expert * stride_be
+    if SWAP_AB:
+        # a_t: (BLOCK_K, BLOCK_M), b: (BLOCK_N, BLOCK_K); acc: (BLOCK_N, BLOCK_M)
+        a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak
+        b_ptrs = b_base + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        # a: (BLOCK_M, BLOCK_K), b_t: (BLOCK_K, BLOCK_N); acc: (BLOCK_M, BLOCK_N)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_base + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if QUANT == 3:
+        as_ptrs = a_scale_ptr + a_rows * stride_asm
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
+
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        if SWAP_AB:
+            a = tl.load(a_ptrs, mask=row_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        if INTERPRETER:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if SWAP_AB:
+            part = tl.dot(b, a)
+        else:
+            part = tl.dot(a, b)
+        if QUANT == 3:
+            kg = (kb * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=col_ok, other=0.0)
+            if SWAP_AB:
+                acc += part * b_s[:, None] * a_s[None, :]
+            else:
+                acc += part * a_s[:, None] * b_s[None, :]
+        else:
+            acc += part
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if QUANT == 1:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr + expert * stride_bse))
+    elif QUANT == 2:
+        if PER_ACT_TOKEN:
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_ok, other=0.0)
+        else:
+            a_s = tl.load(a_scale_ptr + a_rows * 0)
+        if PER_OUT_CH:
+            b_s = tl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn, mask=col_ok,
+                          other=0.0)
+        else:
+            b_s = tl.load(b_scale_ptr + expert * stride_bse + offs_n * 0)
+        if SWAP_AB:
+            acc = acc * b_s[:, None] * a_s[None, :]
+        else:
+            acc = acc * a_s[:, None] * b_s[None, :]
+
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0)
+        if SWAP_AB:
+            acc = acc * w[None, :]
+        else:
+            acc = acc * w[:, None]
+
+    if INTERPRETER:
+        if c_ptr.dtype.element_ty == tl.bfloat16:
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            acc = bits.to(tl.float32, bitcast=True)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)

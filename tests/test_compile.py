@@ -1,0 +1,120 @@
+"""torch.compile(fullgraph=True, dynamic=True) over the layer API: equal to eager, one graph
+for several token counts, no graph breaks.
+
+On CPU the per-scheme tests compile with the "aot_eager" backend (Dynamo + fake tensors + AOT
+functionalization: where graph breaks and fake-kernel gaps show up) and one small case with
+the default Inductor backend, to keep CI in seconds; on the GPU everything runs with Inductor.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from hopper_moe import fused_experts, fused_topk
+
+from conftest import gpu, seeded
+from test_fused_moe import TOL, base_scheme, make_problem
+
+fm = importlib.import_module("hopper_moe.fused_moe")
+
+# > 1 (Dynamo specializes 0 and 1) and unlike every other size of the problem: Dynamo gives
+# equal sizes one symbol, and the expert count is specialized (loops over experts).
+M_VALUES = (5, 17, 40)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    torch._dynamo.reset()
+
+
+def _layer(x, w1, w2, tw, ti, expert_map, quant):
+    return fused_experts(x, w1, w2, tw, ti, expert_map=expert_map, quant=quant, backend="torch")
+
+
+def _check_compiled_layer(scheme, device, backend, dtype, e=3, num_local=None, h=128, i=128,
+                          topk=2):
+    compiled = torch.compile(_layer, fullgraph=True, dynamic=True, backend=backend)
+    atol, rtol = TOL[base_scheme(scheme)]
+    for m in M_VALUES:
+        p = make_problem(m, e, topk, h, i, scheme=scheme, dtype=dtype, seed=m,
+                         num_local=num_local, invalid_ids=True).to(device)
+        args = (*p.args(), p.expert_map, p.quant)
+        got = compiled(*args)
+        want = _layer(*args)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        # Same math; the compiled graph may only reorder fp32 reductions.
+        torch.testing.assert_close(got.float(), want.float(), atol=min(atol, 1e-2) / 4, rtol=0)
+        assert got.float().abs().max() > 0
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor_static", "fp8_tensor_dynamic",
+                                    "fp8_channel", "fp8_block"])
+def test_compile_fused_experts_cpu(scheme):
+    _check_compiled_layer(scheme, "cpu", "aot_eager", torch.bfloat16, num_local=2)
+
+
+def test_compile_fused_experts_cpu_inductor():
+    _check_compiled_layer("bf16", "cpu", "inductor", torch.float32, e=2)
+
+
+def test_compile_explain_no_graph_breaks():
+    p = make_problem(5, 4, 2, 128, 128, scheme="fp8_channel", seed=1)
+    explanation = torch._dynamo.explain(_layer)(*p.args(), p.expert_map, p.quant)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def _topk(hidden, gating):
+    return fused_topk(hidden, gating, 4, True)
+
+
+def _check_compiled_topk(device, backend):
+    compiled = torch.compile(_topk, fullgraph=True, dynamic=True, backend=backend)
+    for m in M_VALUES:
+        g = seeded(m)
+        gating = torch.randn(m, 16, generator=g).to(device)
+        hidden = torch.randn(m, 32, generator=g).to(device)
+        got = compiled(hidden, gating)
+        want = _topk(hidden, gating)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_compile_fused_topk_cpu():
+    _check_compiled_topk("cpu", "aot_eager")
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor_static", "fp8_tensor_dynamic",
+                                    "fp8_channel", "fp8_block"])
+def test_compile_fused_experts_gpu(scheme):
+    _check_compiled_layer(scheme, "cuda", "inductor", torch.bfloat16, e=8, num_local=6)
+
+
+@gpu
+def test_compile_fused_experts_gpu_block_distinct_sizes():
+    """Block FP8 with no two unrelated sizes equal. The case above failed once in Inductor on
+    torch 2.11 + CUDA ("AssertionError: 1/2" from the sympy printer, i.e. a square root in an
+    index expression); there topk = 2 = ceil(2I/128) and H = I share Dynamo symbols. If only
+    that case fails, the trigger is the symbol coincidence."""
+    _check_compiled_layer("fp8_block", "cuda", "inductor", torch.bfloat16, e=8, num_local=7,
+                          h=384, i=256, topk=3)
+
+
+@gpu
+def test_compile_fused_topk_gpu():
+    _check_compiled_topk("cuda", "inductor")

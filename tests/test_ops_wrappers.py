@@ -1,0 +1,125 @@
+"""hopper_moe.ops: the vllm._custom_ops-style wrappers allocate what vLLM's do and return
+the op's results (checked against hopper_moe.reference on every device)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICES, seeded
+
+from hopper_moe import ops, reference
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_fp8_quant_modes(device):
+    x = torch.randn(37, 96, generator=seeded(0)).to(torch.bfloat16).to(device)
+    q, s = ops.scaled_fp8_quant(x)
+    rq, rs = reference.dynamic_scaled_fp8_quant_ref(x.cpu())
+    assert s.shape == (1,) and torch.equal(s.cpu(), rs.reshape(1))
+    assert torch.equal(_bits(q.cpu()), _bits(rq))
+
+    q, s = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    rq, rs = reference.dynamic_per_token_scaled_fp8_quant_ref(x.cpu())
+    assert s.shape == (37, 1) and torch.equal(s.cpu(), rs)
+    assert torch.equal(_bits(q.cpu()), _bits(rq))
+
+    scale = torch.tensor([0.01], device=device)
+    q, s = ops.scaled_fp8_quant(x, scale)
+    assert s is scale
+    assert torch.equal(_bits(q.cpu()), _bits(reference.static_scaled_fp8_quant_ref(x.cpu(),
+                                                                                   scale.cpu())))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_fp8_quant_token_padding(device):
+    x = torch.randn(5, 64, generator=seeded(1)).to(device)
+    q, s = ops.scaled_fp8_quant(x, num_token_padding=8, use_per_token_if_dynamic=True)
+    assert q.shape == (8, 64) and s.shape == (8, 1)
+    assert torch.equal(q[5:].view(torch.uint8).cpu(), torch.zeros(3, 64, dtype=torch.uint8))
+    assert torch.equal(s[5:].cpu(), torch.ones(3, 1))
+    rq, rs = reference.dynamic_per_token_scaled_fp8_quant_ref(x.cpu())
+    assert torch.equal(_bits(q[:5].cpu()), _bits(rq)) and torch.equal(s[:5].cpu(), rs)
+
+
+def test_scaled_fp8_quant_rejects_non_2d():
+    with pytest.raises(RuntimeError, match="input must be 2-D"):
+        ops.scaled_fp8_quant(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("column_major", [False, True])
+@pytest.mark.parametrize("shape", [(7, 256), (2, 3, 384)])
+def test_per_token_group_quant_fp8(device, column_major, shape):
+    x = torch.randn(*shape, generator=seeded(2)).to(device)
+    q, s = ops.per_token_group_quant_fp8(x, 128, column_major_scales=column_major)
+    rq, rs = reference.per_token_group_fp8_quant_ref(x.cpu(), 128)
+    assert s.shape == shape[:-1] + (shape[-1] // 128,)
+    if column_major:
+        assert s.stride(-1) == s[..., 0].numel()  # the group index is outermost in memory
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(_bits(q.cpu()), _bits(rq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_permute_unpermute_round_trip(device):
+    T, K, E, H = 11, 3, 6, 40
+    x = torch.randn(T, H, generator=seeded(3)).to(device)
+    ids = torch.randint(0, E, (T, K), generator=seeded(4), dtype=torch.int32).to(device)
+    w = torch.rand(T, K, generator=seeded(5)).to(device)
+    perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E)
+    assert perm.shape == (T * K, H) and offs.shape == (E + 1,) and offs.dtype == torch.int64
+    assert int(offs[-1]) == T * K
+    # every row of the permuted input is the input row of its slot
+    assert torch.equal(perm.cpu(), x.cpu()[pidx.long().cpu() // K])
+    out = torch.empty(T, H, device=device)
+    ops.moe_unpermute(out, perm, w, inv, offs)
+    expected = (x.cpu().unsqueeze(1) * w.cpu().unsqueeze(2)).sum(1)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_permute_permutes_per_token_scales(device):
+    T, K, E = 4, 2, 3
+    x = torch.randn(T, 16, device=device)
+    scales = torch.arange(T, dtype=torch.float32, device=device).view(T, 1)
+    ids = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]], dtype=torch.int32, device=device)
+    _, s, _, _, pidx = ops.moe_permute(x, scales, ids, E)
+    assert torch.equal(s.view(-1).cpu(), (pidx.long() // K).float().cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shuffle_rows_and_align_buffers(device):
+    x = torch.randn(6, 24, device=device)
+    m = torch.tensor([5, 0, 0, 3], dtype=torch.int32, device=device)
+    assert torch.equal(ops.shuffle_rows(x, m).cpu(), x.cpu()[m.long().cpu()])
+
+    ids = torch.randint(0, 8, (5, 2), generator=seeded(6), dtype=torch.int32).to(device)
+    sorted_ids, expert_ids, ntp = ops.moe_align_block_size_buffers(ids, 8, 16)
+    assert sorted_ids.numel() == reference.moe_align_block_size_len(10, 8, 16)
+    assert expert_ids.numel() == -(-sorted_ids.numel() // 16) and ntp.shape == (1,)
+    ops.moe_align_block_size(ids, 8, 16, sorted_ids, expert_ids, ntp)
+    r_sorted, r_experts, r_ntp = reference.moe_align_block_size(ids.cpu(), 8, 16)[:3]
+    assert int(ntp) == int(r_ntp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_and_mul_wrappers_allocate(device):
+    x = torch.randn(3, 2, 64, generator=seeded(7)).to(torch.bfloat16).to(device)
+    out = ops.silu_and_mul(None, x)
+    assert out.shape == (3, 2, 32) and out.dtype == torch.bfloat16
+    assert torch.equal(out.cpu(), reference.silu_and_mul_ref(x.cpu()))
+    scale = torch.tensor([0.02], device=device)
+    q = ops.silu_and_mul_quant(None, x, scale)
+    assert q.dtype == FP8 and q.shape == (3, 2, 32)
+    assert torch.equal(_bits(q.cpu()), _bits(reference.silu_and_mul_quant_ref(x.cpu(),
+                                                                              scale.cpu())))
+
+
+def test_cutlass_group_gemm_supported_wrapper():
+    assert ops.cutlass_group_gemm_supported(90) is False

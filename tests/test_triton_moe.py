@@ -1,0 +1,221 @@
+"""The Triton MoE backend against the fp32 reference, every scheme, both tile mappings.
+
+The Triton layer keeps the GEMM outputs and the SiLU*mul output in bf16 between kernels, so it
+is compared with the reference of that storage precision (`triton_precision`): an FP8
+requantization turns a bf16 rounding difference into a whole fp8 step.
+
+On a machine without a GPU these run in Triton's interpreter (TRITON_INTERPRET=1, set in
+conftest.py before Triton is imported) on small shapes; on the GPU the same cases run compiled,
+plus a larger fuzz and the zero-recompilation check.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, gpu, seeded
+
+from hopper_moe import reference
+from hopper_moe.quant import make_quant_config
+from hopper_moe.triton import configs as triton_configs
+from hopper_moe.triton.fused_moe import fused_experts_triton
+
+SCHEMES = ["bf16", "fp8_tensor", "fp8_tensor_static", "fp8_channel", "fp8_block"]
+# OPS.md tolerances (absolute, relative) vs the fp32 reference on unit-scale outputs.
+TOL = {"bf16": (2e-2, 0.0), "fp8_tensor": (5.5e-2, 1e-2), "fp8_tensor_static": (5.5e-2, 1e-2),
+       "fp8_channel": (5.5e-2, 1e-2), "fp8_block": (3.5e-2, 3.5e-2)}
+
+
+def make_layer(M, E, topk, H, I, scheme, device, seed, expert_map=None, skew=False):
+    g = seeded(seed)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    # Scaled so outputs are O(0.5): the OPS.md tolerances are for unit-scale data.
+    w2 = (torch.randn(E, H, I, generator=g) / (2 * I ** 0.5)).to(torch.bfloat16)
+    logits = torch.randn(M, E if expert_map is None else expert_map.numel(), generator=g)
+    if skew:
+        logits[:, 0] += 4.0
+    weights, ids = torch.topk(torch.softmax(logits, -1), topk, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    ids = ids.to(torch.int32)
+    quant = None
+    if scheme != "bf16":
+        base = "fp8_tensor" if scheme == "fp8_tensor_static" else scheme
+        w1, w2, quant = make_quant_config(w1, w2, base, static_act=scheme == "fp8_tensor_static",
+                                          a_sample=x)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    if quant is not None:
+        quant = type(quant)(**{f: (to(v) if isinstance(v, torch.Tensor) else v)
+                               for f, v in quant.__dict__.items()})
+    return to(x), to(w1), to(w2), to(weights), to(ids), quant, to(expert_map)
+
+
+def triton_precision(quant) -> dict:
+    """Storage precision of the Triton layer, for the reference: GEMM outputs in bf16; the
+    SiLU*mul output in bf16 too, except with a static a2 scale, where silu_and_mul_quant
+    quantizes it without storing it."""
+    static_a2 = quant is not None and quant.scheme == "fp8_tensor" and quant.a2_scale is not None
+    return dict(intermediate_dtype=torch.bfloat16, act_dtype=None if static_a2 else torch.bfloat16)
+
+
+def check(out, ref, scheme):
+    atol, rtol = TOL[scheme]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any(), "unwritten (NaN) or invalid output"
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    if ref.float().norm() > 0:
+        ratio = out.float().norm() / ref.float().norm()
+        assert 0.95 < ratio < 1.05, f"rms ratio {ratio:.3f}"
+
+
+def run_case(M, E, topk, H, I, scheme, device, seed, expert_map=None, skew=False,
+             apply_on_input=False):
+    x, w1, w2, w, ids, quant, emap = make_layer(M, E, topk, H, I, scheme, device, seed,
+                                                expert_map, skew)
+    gne = -1 if emap is None else emap.numel()
+    out = fused_experts_triton(x, w1, w2, w, ids, apply_router_weight_on_input=apply_on_input,
+                               global_num_experts=gne, expert_map=emap, quant=quant)
+    ref = reference.fused_experts_ref(x, w1, w2, w, ids,
+                                      apply_router_weight_on_input=apply_on_input,
+                                      global_num_experts=gne, expert_map=emap, quant=quant,
+                                      **triton_precision(quant))
+    check(out, ref, scheme)
+    return out
+
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M", [1, 5, 33])
+def test_triton_layer_matches_reference(scheme, M):
+    H, I = (256, 128) if scheme == "fp8_block" else (192, 96)
+    run_case(M, 4, 2, H, I, scheme, DEVICE, seed=M)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_both_mappings_compute_the_same_function(swap_ab, monkeypatch):
+    orig = triton_configs.default_config
+
+    def forced(*args, **kwargs):
+        return dict(orig(*args, **kwargs), SWAP_AB=swap_ab)
+
+    monkeypatch.setattr(triton_configs, "default_config", forced)
+    for scheme in ("bf16", "fp8_channel"):
+        run_case(9, 4, 2, 128, 64, scheme, DEVICE, seed=3)
+
+
+def test_expert_map_non_local_experts_contribute_zero():
+    emap = torch.tensor([0, -1, 1, -1, 2, -1], dtype=torch.int32)
+    run_case(7, 3, 2, 128, 64, "bf16", DEVICE, seed=5, expert_map=emap)
+
+
+def test_ids_out_of_range_contribute_zero():
+    x, w1, w2, w, ids, quant, _ = make_layer(6, 4, 2, 128, 64, "bf16", DEVICE, seed=9)
+    ids[0, 0] = -1
+    ids[3, 1] = 4  # == E: not an expert
+    out = fused_experts_triton(x, w1, w2, w, ids)
+    ref = reference.fused_experts_ref(x, w1, w2, w, ids, **triton_precision(quant))
+    check(out, ref, "bf16")
+
+
+def test_router_weight_on_input():
+    run_case(5, 4, 1, 128, 64, "bf16", DEVICE, seed=2, apply_on_input=True)
+
+
+def test_all_tokens_on_one_expert_and_empty_experts():
+    run_case(20, 8, 2, 128, 64, "fp8_tensor", DEVICE, seed=4, skew=True)
+
+
+def test_zero_tokens():
+    x, w1, w2, w, ids, quant, _ = make_layer(0, 4, 2, 128, 64, "bf16", DEVICE, seed=1)
+    assert fused_experts_triton(x, w1, w2, w, ids).shape == (0, 128)
+
+
+@gpu
+def test_triton_fuzz_gpu():
+    rng = random.Random(1234)
+    failures = []
+    for case in range(300):
+        scheme = rng.choice(SCHEMES)
+        E = rng.choice([1, 2, 8, 16, 64, 128])
+        topk = rng.randint(1, min(E, 8))
+        M = rng.choice([1, 2, 3, 7, 16, 31, 64, 65, 200, 513])
+        if scheme == "fp8_block":
+            H, I = rng.choice([128, 256, 384]), rng.choice([128, 256])
+        else:
+            H, I = rng.choice([64, 128, 200, 256, 520]), rng.choice([32, 64, 96, 200, 256])
+        emap = None
+        if rng.random() < 0.2 and E > 1:
+            local = sorted(rng.sample(range(E), rng.randint(1, E)))
+            emap = torch.full((E,), -1, dtype=torch.int32)
+            emap[local] = torch.arange(len(local), dtype=torch.int32)
+            e_local = len(local)
+        else:
+            e_local = E
+        try:
+            if emap is None:
+                run_case(M, E, topk, H, I, scheme, "cuda", seed=case)
+            else:
+                run_case(M, e_local, topk, H, I, scheme, "cuda", seed=case, expert_map=emap)
+        except AssertionError as err:
+            failures.append(f"case={case} M={M} E={E} topk={topk} H={H} I={I} scheme={scheme} "
+                            f"expert_map={emap is not None}: {str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures[:20])
+
+
+def _compiled_variants(kernel) -> int:
+    """Number of compiled specializations of a Triton kernel, over all devices."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_channel", "fp8_block"])
+def test_no_recompilation_across_token_counts(scheme):
+    from hopper_moe.triton.moe_gemm import moe_gemm_kernel
+
+    E, topk, H, I = 8, 2, 256, 128
+    x, w1, w2, _, _, quant, _ = make_layer(8192, E, topk, H, I, scheme, "cuda", seed=0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def call(m):
+        logits = torch.randn(m, E, device="cuda", generator=g)
+        w, ids = torch.topk(torch.softmax(logits, -1), topk)
+        fused_experts_triton(x[:m], w1, w2, w, ids.to(torch.int32), quant=quant)
+
+    for m in triton_configs.M_BUCKETS:  # warm every bucket once
+        call(m)
+    torch.cuda.synchronize()
+    before = _compiled_variants(moe_gemm_kernel)
+    rng = random.Random(7)
+    for _ in range(300):
+        call(rng.randint(1, 8192))
+    torch.cuda.synchronize()
+    assert _compiled_variants(moe_gemm_kernel) == before
+
+
+@gpu
+def test_recompilation_counter_detects_specialization():
+    """A copy of the kernel without do_not_specialize recompiles when a token-dependent
+    integer changes divisibility, so the counter above can see recompilation."""
+    import triton
+
+    from hopper_moe.triton import moe_gemm
+
+    specialized = triton.jit(moe_gemm.moe_gemm_kernel.fn)
+    orig = moe_gemm.moe_gemm_kernel
+    try:
+        moe_gemm.moe_gemm_kernel = specialized
+        import hopper_moe.triton.fused_moe as fm
+        fm.moe_gemm_kernel = specialized
+        x, w1, w2, _, _, _, _ = make_layer(64, 4, 2, 128, 64, "bf16", "cuda", seed=0)
+        for m in (1, 7, 16, 33):
+            w = torch.full((m, 2), 0.5, device="cuda")
+            ids = torch.randint(0, 4, (m, 2), device="cuda", dtype=torch.int32)
+            fused_experts_triton(x[:m], w1, w2, w, ids)
+        assert _compiled_variants(specialized) > 1
+    finally:
+        moe_gemm.moe_gemm_kernel = orig
+        fm.moe_gemm_kernel = orig

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build, GPU test suite, benchmarks, sanitizer; logs under $OUT.
+# Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
+# registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
+#   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|sanitize|cmake ...]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hopper_moe_out}
+mkdir -p "$OUT"
+steps=${*:-build test bench sanitize cmake}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
+# Build with the system compiler, whose libstdc++ is the shared one PyTorch loads. A compiler
+# that links its own libstdc++ statically into the extension mixes two C++ runtimes in one
+# process, and formatting a number into an error message then crashes (seen on the H200 image
+# with /opt/gcc).
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
+export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi; ${CXX:-c++} --version | head -1; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+rc=0
+for step in $steps; do
+  t0=$(date +%s)
+  case $step in
+    build)
+      python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
+      python3 tools/check_ptxas.py "$OUT/build.log" | tee "$OUT/ptxas.txt" || rc=1
+      ldd python/hopper_moe/_C*.so | grep -E "stdc\+\+|gcc_s" ;;
+    test)
+      python3 -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+    bench)
+      python3 benchmarks/bench_ops.py --out benchmarks/results 2>&1 | tee "$OUT/bench_ops.log" | tail -30
+      python3 benchmarks/bench_moe.py --out benchmarks/results --plot 2>&1 | tee "$OUT/bench_moe.log" | tail -60
+      tar czf "$OUT/results.tgz" benchmarks/results ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck initcheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool python3 tools/sanitize_ops.py \
+          >"$OUT/sanitize_$tool.log" 2>&1
+        echo "$tool: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+      done | tee "$OUT/sanitize.txt" ;;
+    cmake)
+      ( cmake -S . -B /tmp/cmake_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+          -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+          -DPython3_EXECUTABLE="$(command -v python3)" \
+        && cmake --build /tmp/cmake_build -j "$MAX_JOBS" \
+        && python3 -c "import torch; torch.ops.load_library('/tmp/cmake_build/libhopper_moe.so'); print('cmake lib loaded; ops:', len([s for s in torch._C._jit_get_all_schemas() if s.name.startswith('hopper_moe::')]))"
+      ) >"$OUT/cmake.log" 2>&1 && tail -1 "$OUT/cmake.log" || { tail -30 "$OUT/cmake.log"; echo "CMAKE FAILED"; rc=1; } ;;
+  esac
+  echo "== $step: $(( $(date +%s) - t0 )) s"
+done
+exit $rc

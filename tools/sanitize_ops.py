@@ -1,0 +1,100 @@
+"""Run every CUDA op once on the edge-case shapes, for compute-sanitizer.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/sanitize_ops.py
+
+Every allocation is exact-size (no caching allocator), so an access one element past a buffer
+is caught. Shapes: 0, 1 and 3 tokens, a tile +- 1, experts with no tokens, all tokens on one
+expert, ids out of range and expert_map -1 entries, NaN/inf router logits.
+"""
+from __future__ import annotations
+
+import torch
+
+import hopper_moe
+from hopper_moe import ops
+
+dev = "cuda"
+g = torch.Generator(device=dev)
+g.manual_seed(0)
+
+
+def randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+
+def routing(T, E, K, bad_ids=False, one_expert=False, weird_logits=False):
+    logits = randn(T, E, dtype=torch.float32)
+    if weird_logits and T >= 3:
+        logits[0] = float("nan")
+        logits[1, 0] = float("inf")
+        logits[2] = 1.0
+    w = torch.empty(T, K, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, K, dtype=torch.int32, device=dev)
+    tei = torch.empty(T, K, dtype=torch.int32, device=dev)
+    ops.topk_softmax(w, ids, tei, logits, True)
+    if one_expert:
+        ids = (torch.arange(K, device=dev, dtype=torch.int32) % E).expand(T, K).contiguous()
+    if bad_ids and T > 0:
+        ids[0, 0] = -1
+        ids[-1, -1] = E + 3
+    ops.topk_sigmoid(w.clone(), ids.clone(), tei.clone(), logits, True, None, 2.5)
+    if E % 4 == 0 and K <= E // 4 * 2:
+        ops.grouped_topk(logits, 4, 2, K, True, 2.5, randn(E, dtype=torch.float32), 1)
+    return w, ids
+
+
+def layer_ops(T, E, K, H, I, expert_map=None, **kw):
+    w, ids = routing(T, E, K, **kw)
+    x = randn(T, H)
+    for bs in (16, 64):
+        sorted_ids, expert_ids, ntp = ops.moe_align_block_size_buffers(ids, E, bs)
+        ops.moe_align_block_size(ids, E, bs, sorted_ids, expert_ids, ntp, expert_map)
+    n_local = E if expert_map is None else int((expert_map >= 0).sum())
+    perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E, n_local, expert_map)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    ops.moe_unpermute(out, perm, w, inv, offs)
+    ops.shuffle_rows(x, torch.arange(T, device=dev, dtype=torch.int32).flip(0))
+    stacked = randn(T, K, H)
+    ops.moe_sum(stacked, torch.empty(T, H, dtype=x.dtype, device=dev), ids, expert_map)
+    inter = randn(T, 2 * I)
+    ops.silu_and_mul(None, inter)
+    ops.silu_and_mul_quant(None, inter, torch.tensor([0.05], device=dev))
+    ops.scaled_fp8_quant(x)
+    ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    ops.scaled_fp8_quant(x, torch.tensor([0.02], device=dev))
+    if H % 128 == 0:
+        ops.per_token_group_quant_fp8(x, 128)
+        ops.per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=True)
+    eo = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    ps1 = torch.empty(E, 3, dtype=torch.int32, device=dev)
+    ps2 = torch.empty(E, 3, dtype=torch.int32, device=dev)
+    ip = torch.empty(T * K, dtype=torch.int32, device=dev)
+    op = torch.empty(T * K, dtype=torch.int32, device=dev)
+    ops.get_cutlass_moe_mm_data(ids, eo, ps1, ps2, ip, op, E, I, H)
+    ops.get_cutlass_moe_mm_problem_sizes_from_expert_offsets(offs, ps1[:n_local], ps2[:n_local],
+                                                             I, H, T * K <= 64)
+    torch.cuda.synchronize()
+
+
+def main():
+    cases = [
+        dict(T=0, E=8, K=2, H=128, I=64),
+        dict(T=1, E=8, K=2, H=128, I=64),
+        dict(T=3, E=7, K=3, H=136, I=72, bad_ids=True, weird_logits=True),
+        dict(T=63, E=64, K=8, H=256, I=128),
+        dict(T=65, E=128, K=8, H=128, I=96, one_expert=True),
+        dict(T=300, E=256, K=8, H=384, I=40),
+        dict(T=17, E=16, K=4, H=128, I=64,
+             expert_map=torch.tensor([0, -1, 1, -1, 2, 3, -1, 4, 5, -1, -1, 6, 7, -1, 8, 9],
+                                     dtype=torch.int32, device=dev)),
+        dict(T=8200, E=32, K=8, H=128, I=64),  # T*K > 65535
+    ]
+    for c in cases:
+        layer_ops(**c)
+        print("ok", {k: v for k, v in c.items() if k != "expert_map"},
+              "expert_map" if "expert_map" in c else "")
+    assert hopper_moe.built_with_cuda()
+
+
+if __name__ == "__main__":
+    main()
