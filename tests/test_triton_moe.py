@@ -107,6 +107,32 @@ def test_both_mappings_compute_the_same_function(swap_ab, monkeypatch):
         run_case(9, 4, 2, 128, 64, scheme, DEVICE, seed=3)
 
 
+@pytest.mark.parametrize("one_slot", [False, True])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_channel", "fp8_block"])
+def test_one_slot_per_block_matches_aligned(one_slot, scheme, monkeypatch):
+    """Tiny batches skip the alignment (one slot per program); both routings give the same
+    result, also for ids that do not count and experts that are not local."""
+    orig = triton_configs.default_config
+
+    def forced(*args, **kwargs):
+        cfg = dict(orig(*args, **kwargs), BLOCK_M=16, SWAP_AB=True)
+        cfg["ONE_SLOT_PER_BLOCK"] = one_slot
+        return cfg
+
+    monkeypatch.setattr(triton_configs, "default_config", forced)
+    H, I = (256, 128) if scheme == "fp8_block" else (128, 64)
+    emap = torch.tensor([1, -1, 0, 2, -1, 3], dtype=torch.int32)
+    x, w1, w2, w, ids, quant, emap = make_layer(3, 4, 2, H, I, scheme, DEVICE, seed=11,
+                                                expert_map=emap)
+    # local experts (0->1, 2->0, 5->3), a non-local one (1), and ids that are no expert
+    ids = torch.tensor([[0, -1], [2, 5], [6, 1]], dtype=torch.int32, device=ids.device)
+    out = fused_experts_triton(x, w1, w2, w, ids, global_num_experts=6, expert_map=emap,
+                               quant=quant)
+    ref = reference.fused_experts_ref(x, w1, w2, w, ids, global_num_experts=6,
+                                      expert_map=emap, quant=quant, **triton_precision(quant))
+    check(out, ref, scheme)
+
+
 def test_expert_map_non_local_experts_contribute_zero():
     emap = torch.tensor([0, -1, 1, -1, 2, -1], dtype=torch.int32)
     run_case(7, 3, 2, 128, 64, "bf16", DEVICE, seed=5, expert_map=emap)

@@ -1,6 +1,7 @@
 """Tile configs of the Triton MoE GEMM, chosen from a finite set of token-count buckets.
 
-A config is a dict: BLOCK_M/N/K, GROUP_M, SWAP_AB, num_warps, num_stages. Lookup order:
+A config is a dict: BLOCK_M/N/K, GROUP_M, SWAP_AB, num_warps, num_stages and optionally
+ONE_SLOT_PER_BLOCK (skip the alignment; tiny batches). Lookup order:
   1. a JSON file named as vLLM names its tuned files,
      `E={E},N={I},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json`, keyed by M
      (nearest key wins), in $HOPPER_MOE_CONFIG_DIR (user files win) or hopper_moe/configs/;
@@ -57,6 +58,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     wide weight tile; many rows: the standard mapping with 64/128-row tiles."""
     m = bucket(num_tokens)
     rows_per_expert = max(1, (m * top_k) // max(num_experts, 1))
+    # No more slots than experts: nearly every aligned block would hold one row, so skip the
+    # alignment launch and give each program one slot.
+    one_slot = num_tokens * top_k <= num_experts
     fp8 = scheme != "bf16"
     block_k = 128 if fp8 else 64
     if rows_per_expert <= 16:
@@ -71,6 +75,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     if scheme == "fp8_block":
         cfg["BLOCK_K"] = 128
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 128)
+    if one_slot:
+        cfg.update(BLOCK_M=16, SWAP_AB=True, GROUP_M=1, ONE_SLOT_PER_BLOCK=True)
     return cfg
 
 

@@ -52,14 +52,37 @@ def _weight_scale_strides(scale: torch.Tensor, mode: int):
     return scale.stride(0), 0, 0
 
 
-def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, sorted_token_ids,
-                    expert_ids, num_tokens_post_padded, top_k: int, num_slots: int, quant,
-                    mul_routed_weight: bool, config: dict) -> None:
-    """C[slot] = A[slot // top_k] . B[expert]^T for every slot of the aligned blocks."""
+class Routing:
+    """Which slots each GEMM program takes. Aligned: the moe_align_block_size layout (blocks of
+    BLOCK_M slots of one expert). One slot per block (tiny batches, no alignment launch): block
+    m is slot m, its expert read from topk_ids and expert_map inside the kernel."""
+
+    def __init__(self, topk_ids, expert_map, num_experts: int, block_m: int, aligned: bool):
+        self.topk_ids = topk_ids
+        self.expert_map = expert_map
+        self.num_experts = num_experts
+        self.aligned = aligned
+        if aligned:
+            self.sorted_ids, self.expert_ids, self.ntp = ops.moe_align_block_size_buffers(
+                topk_ids, num_experts, block_m)
+            ops.moe_align_block_size(topk_ids, num_experts, block_m, self.sorted_ids,
+                                     self.expert_ids, self.ntp, expert_map)
+        else:
+            self.sorted_ids = self.expert_ids = self.ntp = topk_ids
+
+    def num_blocks(self, block_m: int) -> int:
+        if self.aligned:
+            return triton.cdiv(self.sorted_ids.numel(), block_m)
+        return self.topk_ids.numel()
+
+
+def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing: Routing,
+                    top_k: int, num_slots: int, quant, mul_routed_weight: bool,
+                    config: dict) -> None:
+    """C[slot] = A[slot // top_k] . B[expert]^T for every slot the routing places."""
     n, k = b.shape[1], b.shape[2]
     mode = _quant_mode(quant)
-    num_sorted = sorted_token_ids.numel()
-    grid = (triton.cdiv(num_sorted, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (routing.num_blocks(config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     dummy = c  # stands in for absent pointers (never read)
     if mode == _QUANT_NONE:
         bse = bsn = bsk = 0
@@ -70,8 +93,9 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, sorted_t
     group_n, group_k = (quant.block_shape if mode == _QUANT_BLOCK else (1, 1))
     moe_gemm_kernel[grid](
         a, b, c, a_scale, b_scale, topk_weights if mul_routed_weight else dummy,
-        sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_slots, num_sorted,
+        routing.sorted_ids, routing.expert_ids, routing.ntp,
+        routing.topk_ids, routing.expert_map if routing.expert_map is not None else dummy,
+        n, k, num_slots, routing.sorted_ids.numel(), routing.num_experts, b.shape[0],
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1),
@@ -89,6 +113,8 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, sorted_t
         BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"],
+        ONE_SLOT_PER_BLOCK=not routing.aligned,
+        HAS_EXPERT_MAP=routing.expert_map is not None,
         INTERPRETER=_INTERPRET,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
@@ -119,10 +145,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     scheme = "bf16" if mode == _QUANT_NONE else quant.scheme
 
     cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme)
-    sorted_ids, expert_ids, ntp = ops.moe_align_block_size_buffers(topk_ids, num_experts,
-                                                                   cfg["BLOCK_M"])
-    ops.moe_align_block_size(topk_ids, num_experts, cfg["BLOCK_M"], sorted_ids, expert_ids,
-                             ntp, expert_map)
+    routing = Routing(topk_ids.contiguous(), expert_map, num_experts, cfg["BLOCK_M"],
+                      aligned=not cfg.get("ONE_SLOT_PER_BLOCK", False))
 
     x = hidden_states
     if apply_router_weight_on_input:
@@ -140,8 +164,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     cache1 = (torch.zeros if dynamic_q2 else torch.empty)((num_slots, inter2), dtype=out_dtype,
                                                            device=x.device)
     invoke_moe_gemm(a1, w1, cache1, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
-                    topk_weights, sorted_ids, expert_ids, ntp, top_k, num_slots, quant, False,
-                    cfg)
+                    topk_weights, routing, top_k, num_slots, quant, False, cfg)
 
     if mode == _QUANT_TENSOR and quant.a2_scale is not None:
         a2 = ops.silu_and_mul_quant(None, cache1, quant.a2_scale)
@@ -155,7 +178,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
             a2_st = (asm, ask)
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
     invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
-                    topk_weights, sorted_ids, expert_ids, ntp, 1, num_slots, quant,
+                    topk_weights, routing, 1, num_slots, quant,
                     not apply_router_weight_on_input, cfg)
     # Slots with an id outside [0, num_experts) were never placed, so their rows of cache2 are
     # unwritten; an identity map makes moe_sum skip them as it skips non-local experts.

@@ -26,6 +26,10 @@ INTERPRETER is set only under TRITON_INTERPRET=1. The CPU interpreter (Triton 3.
 bf16 tl.dot wrongly and converts fp32 to bf16 by truncation, so there the operands are widened
 to fp32 first and the output is rounded to nearest-even by hand; compiled kernels skip both.
 
+ONE_SLOT_PER_BLOCK: for batches with no more slots than experts, the alignment step is skipped
+and each program takes one slot (its expert read from topk_ids / expert_map); it saves a
+launch where almost every aligned block would hold a single row anyway.
+
 No recompilation across token counts: every integer whose value follows the number of tokens
 (`num_slots`, `num_sorted`) is in do_not_specialize, and the launch grid is not part of the
 compiled kernel's key; shapes (N, K, strides) follow the model, not the batch.
@@ -44,8 +48,9 @@ def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
     a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    topk_ids_ptr, expert_map_ptr,
     N, K,
-    num_slots, num_sorted,
+    num_slots, num_sorted, num_experts, num_local_experts,
     stride_am, stride_ak,
     stride_be, stride_bn, stride_bk,
     stride_cm, stride_cn,
@@ -63,11 +68,16 @@ def moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    ONE_SLOT_PER_BLOCK: tl.constexpr,
+    HAS_EXPERT_MAP: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
+    if ONE_SLOT_PER_BLOCK:
+        num_pid_m = num_slots
+    else:
+        num_pid_m = tl.cdiv(num_sorted, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group_id = pid // (GROUP_M * num_pid_n)
     first_m = group_id * GROUP_M
@@ -75,17 +85,30 @@ def moe_gemm_kernel(
     pid_m = first_m + ((pid % (GROUP_M * num_pid_n)) % group_size_m)
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_size_m
 
-    num_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_M >= num_padded:
-        return
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_token_ids_ptr + offs_m, mask=offs_m < num_sorted,
-                    other=num_slots).to(tl.int64)
-    row_ok = slots < num_slots
+    if ONE_SLOT_PER_BLOCK:
+        # Tiny batches skip the alignment: block m is slot m alone (row 0 of the tile), its
+        # expert read straight from topk_ids (and expert_map); an id that does not count
+        # gives the expert -1, whose rows are written as zeros below.
+        slots = (pid_m + tl.zeros((BLOCK_M,), dtype=tl.int32)).to(tl.int64)
+        row_ok = tl.arange(0, BLOCK_M) == 0
+        gid = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
+        valid = (gid >= 0) & (gid < num_experts)
+        if HAS_EXPERT_MAP:
+            local = tl.load(expert_map_ptr + gid, mask=valid, other=-1).to(tl.int64)
+        else:
+            local = gid
+        expert = tl.where(valid & (local >= 0) & (local < num_local_experts), local, -1)
+    else:
+        num_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_M >= num_padded:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(sorted_token_ids_ptr + offs_m, mask=offs_m < num_sorted,
+                        other=num_slots).to(tl.int64)
+        row_ok = slots < num_slots
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = offs_n < N
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
 
     if SWAP_AB:
         c_ptrs = c_ptr + slots[None, :] * stride_cm + offs_n[:, None] * stride_cn
