@@ -70,7 +70,11 @@ using OptTensor = std::optional<at::Tensor>;
                                const OptTensor& blockscale_offsets, bool is_gated);            \
   void get_cutlass_moe_mm_problem_sizes_from_expert_offsets(                                   \
       const at::Tensor& expert_first_token_offset, at::Tensor& problem_sizes1,                 \
-      at::Tensor& problem_sizes2, int64_t n, int64_t k, bool swap_ab);
+      at::Tensor& problem_sizes2, int64_t n, int64_t k, bool swap_ab);                         \
+  /* grouped GEMM (grouped_gemm.*) */                                                          \
+  void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,             \
+                        const at::Tensor& expert_offsets, const OptTensor& a_scales,           \
+                        const OptTensor& b_scales);
 
 // grouped_topk is the one op that returns tensors; it is declared beside the macro because
 // its check:: form returns nothing.

@@ -76,6 +76,10 @@ TORCH_LIBRARY(hopper_moe, m) {
       "Tensor! problem_sizes1, Tensor! problem_sizes2, int n, int k, bool swap_ab) -> ()");
   m.def("cutlass_group_gemm_supported(int cuda_device_capability) -> bool",
         &hopper_moe::cutlass_group_gemm_supported);
+  // hopper_moe's own grouped GEMM entry: out[r] = a[r] . b[e]^T for the rows r of expert e.
+  m.def(
+      "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
+      "Tensor? a_scales, Tensor? b_scales) -> ()");
 }
 
 #define HOPPER_MOE_IMPL_ALL(m, ns)                                                            \
@@ -95,7 +99,8 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("per_token_group_fp8_quant", &ns::per_token_group_fp8_quant);                        \
   m.impl("get_cutlass_moe_mm_data", &ns::get_cutlass_moe_mm_data);                            \
   m.impl("get_cutlass_moe_mm_problem_sizes_from_expert_offsets",                              \
-         &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);
+         &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);                          \
+  m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }
 

@@ -44,6 +44,19 @@ CUTLASS_MOE_MM = (
 )
 
 
+# hopper_moe's own ops (not vLLM's): their schemas are pinned here.
+OWN = [
+    "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
+    "Tensor? a_scales, Tensor? b_scales) -> ()",
+]
+
+
+@pytest.mark.parametrize("schema", OWN, ids=_name)
+def test_own_op_schema(schema):
+    op = getattr(torch.ops.hopper_moe, _name(schema)).default
+    assert str(op._schema) == str(torch._C.parse_schema("hopper_moe::" + schema))
+
+
 def test_cutlass_group_gemm_supported_agrees_with_registration():
     registered = hasattr(torch.ops.hopper_moe, "cutlass_moe_mm")
     for capability in (80, 89, 90, 100):
@@ -64,4 +77,4 @@ def test_registered_schema_matches(schema):
 def test_no_unexpected_ops():
     registered = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas()
                   if s.name.startswith("hopper_moe::")}
-    assert registered <= {_name(s) for s in EXPECTED} | {"cutlass_moe_mm"}
+    assert registered <= {_name(s) for s in EXPECTED + OWN} | {"cutlass_moe_mm"}

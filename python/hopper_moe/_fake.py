@@ -24,6 +24,7 @@ _IN_PLACE_OPS = (
     "per_token_group_fp8_quant",
     "get_cutlass_moe_mm_data",
     "get_cutlass_moe_mm_problem_sizes_from_expert_offsets",
+    "moe_grouped_gemm",
 )
 
 

@@ -228,3 +228,20 @@ def get_cutlass_moe_mm_problem_sizes_from_expert_offsets(
 def cutlass_group_gemm_supported(cuda_device_capability: int) -> bool:
     """Whether cutlass_moe_mm can run on a GPU of this capability (major*10 + minor)."""
     return _ops.cutlass_group_gemm_supported(cuda_device_capability)
+
+
+# ------------------------------------------------------------------------- grouped GEMM
+def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
+                     a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[r] = sa(r) * sb(e) * a[r] . b[e]^T for offsets[e] <= r < offsets[e+1].
+
+    a [M, K] bf16 or fp8 e4m3 (rows grouped by expert), b [E, N, K] (a's dtype),
+    expert_offsets int64 [E + 1]; fp8 needs a_scales f32 ([1] or [M]) and b_scales f32
+    ([E] or [E, N]). Returns out [M, N] bf16 (rows outside every expert are not written).
+    On CUDA the SM90 kernel runs only with HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM=1 until it
+    has been validated on a GPU."""
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales)
+    return out

@@ -1,0 +1,73 @@
+// Validation of moe_grouped_gemm, shared by CPU and CUDA.
+#include "hopper_moe/common/checks.h"
+#include "ops.h"
+
+#include <limits>
+
+namespace hopper_moe::check {
+
+// out [M, N] bf16; a [M, K] bf16 or fp8 e4m3 (last dim contiguous, 16-byte aligned rows);
+// b [E, N, K] of a's dtype, contiguous; expert_offsets int64 [E + 1] (row ranges of a and out;
+// their values are data and are not checked here: the kernels clamp them into [0, M]);
+// a_scales f32 [1] or [M] / [M, 1]; b_scales f32 [E] or [E, N] / [E, N, 1]. Scales are
+// required with fp8 operands and rejected with bf16 ones.
+void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                      const OptTensor& b_scales) {
+  constexpr const char* kOp = "moe_grouped_gemm";
+  HM_CHECK_DTYPE(kOp, a, {at::kBFloat16, at::kFloat8_e4m3fn});
+  HM_CHECK(kOp, b.scalar_type() == a.scalar_type(), "b must have the dtype of a (",
+           a.scalar_type(), "), got ", b.scalar_type());
+  HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
+  HM_CHECK_DTYPE(kOp, expert_offsets, at::kLong);
+  HM_CHECK_DIM(kOp, a, 2);
+  HM_CHECK_DIM(kOp, b, 3);
+  HM_CHECK_DIM(kOp, out, 2);
+  HM_CHECK_DIM(kOp, expert_offsets, 1);
+  const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
+  HM_CHECK_SIZE(kOp, b, 2, k, "K, the columns of a");
+  HM_CHECK_SIZE(kOp, out, 0, m, "the rows of a");
+  HM_CHECK_SIZE(kOp, out, 1, n, "N, the rows of each expert of b");
+  HM_CHECK_NUMEL(kOp, expert_offsets, e + 1, "num_experts + 1 row offsets");
+  HM_CHECK_SAME_DEVICE(kOp, b, a);
+  HM_CHECK_SAME_DEVICE(kOp, out, a);
+  HM_CHECK_SAME_DEVICE(kOp, expert_offsets, a);
+  HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, a);
+  HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, out);
+  HM_CHECK_CONTIGUOUS(kOp, b);
+  HM_CHECK_CONTIGUOUS(kOp, expert_offsets);
+  // Bulk tensor copies (TMA) read a and b: 16-byte aligned base and row pitch.
+  const int64_t elem = a.element_size();
+  HM_CHECK(kOp, (k * elem) % 16 == 0, "a.size(1) * element size must be a multiple of 16 bytes",
+           " (K = ", k, ")");
+  HM_CHECK(kOp, a.numel() == 0 || (a.stride(0) * elem) % 16 == 0,
+           "a's row stride must be a multiple of 16 bytes (stride ", a.stride(0), ")");
+  if (a.numel() > 0) check_aligned16_named(kOp, a, "a");
+  if (b.numel() > 0) check_aligned16_named(kOp, b, "b");
+  HM_CHECK(kOp, e * n < std::numeric_limits<int32_t>::max() &&
+                    m < std::numeric_limits<int32_t>::max(),
+           "num_experts * N and the rows of a must be below 2^31 (copy coordinates are 32-bit)");
+
+  const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
+  HM_CHECK(kOp, a_scales.has_value() == fp8 && b_scales.has_value() == fp8,
+           fp8 ? "a_scales and b_scales are required with Float8_e4m3fn operands"
+               : "a_scales and b_scales must be None with BFloat16 operands");
+  if (fp8) {
+    const at::Tensor& as = *a_scales;
+    const at::Tensor& bs = *b_scales;
+    check_dtype_named(kOp, as, "a_scales", at::kFloat);
+    check_dtype_named(kOp, bs, "b_scales", at::kFloat);
+    check_same_device_named(kOp, as, "a_scales", a, "a");
+    check_same_device_named(kOp, bs, "b_scales", a, "a");
+    check_contiguous_named(kOp, as, "a_scales");
+    check_contiguous_named(kOp, bs, "b_scales");
+    HM_CHECK(kOp, as.numel() == 1 || (as.numel() == m && as.size(0) == m),
+             "a_scales must hold 1 (per tensor) or M = ", m, " (per token) values, got shape ",
+             as.sizes());
+    HM_CHECK(kOp, bs.size(0) == e && (bs.numel() == e || bs.numel() == e * n),
+             "b_scales must have shape [E] (per expert) or [E, N] / [E, N, 1] (per channel) ",
+             "with E = ", e, ", N = ", n, ", got ", bs.sizes());
+  }
+}
+
+}  // namespace hopper_moe::check

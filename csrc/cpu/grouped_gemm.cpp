@@ -1,0 +1,43 @@
+// CPU definition of moe_grouped_gemm: the readable semantics the SM90 kernel is tested against.
+//
+//   out[r, n] = sa(r) * sb(e, n) * sum_k a[r, k] * b[e, n, k]   for offsets[e] <= r < offsets[e+1]
+//
+// in fp32, rounded once to bf16. Each expert's range is clamped: begin into [0, M], end into
+// [begin, M] (the CUDA kernel clamps the same way, so no offset can make it touch memory
+// outside out). Offsets are meant to be non-decreasing (as moe_permute and
+// get_cutlass_moe_mm_data produce them); rows in no range are left untouched, rows in two
+// overlapping ranges are unspecified.
+#include "hopper_moe/common/checks.h"
+#include "ops.h"
+
+#include <algorithm>
+
+namespace hopper_moe::cpu {
+
+void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                      const OptTensor& b_scales) {
+  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales);
+  const int64_t m = a.size(0), e_count = b.size(0), n = b.size(1);
+  if (m == 0 || n == 0) return;
+  const auto offsets = expert_offsets.cpu();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const at::Tensor af = a.to(at::kFloat);
+  at::Tensor a_rows_scale, b_scale_f;
+  if (a_scales) a_rows_scale = a_scales->reshape({-1}).to(at::kFloat);
+  if (b_scales) b_scale_f = b_scales->reshape({e_count, -1}).to(at::kFloat);
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t begin = std::clamp<int64_t>(off[e], 0, m);
+    const int64_t end = std::clamp<int64_t>(off[e + 1], begin, m);
+    if (end == begin) continue;
+    at::Tensor y = at::matmul(af.slice(0, begin, end), b[e].to(at::kFloat).t());  // [rows, N]
+    if (b_scales) y = y * b_scale_f[e].reshape({1, -1});  // [1] or [N] broadcast over rows
+    if (a_scales) {
+      y = a_rows_scale.numel() == 1 ? y * a_rows_scale[0]
+                                    : y * a_rows_scale.slice(0, begin, end).reshape({-1, 1});
+    }
+    out.slice(0, begin, end).copy_(y.to(out.scalar_type()));
+  }
+}
+
+}  // namespace hopper_moe::cpu

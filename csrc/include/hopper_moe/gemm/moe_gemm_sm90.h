@@ -1,0 +1,46 @@
+// Host-side interface of the SM90 grouped expert GEMM (swap-AB mapping).
+//
+//   out[offsets[e] + t, n] = s(e, n, t) * sum_k W[e, n, k] * X[offsets[e] + t, k]
+//
+// for every expert e, token row t < offsets[e+1] - offsets[e] and output column n < N, with
+//   X    [m_total, K]  rows grouped by expert, K contiguous (bf16, or fp8 e4m3)
+//   W    [E, N, K]     K contiguous, the dtype of X
+//   out  [m_total, N]  bf16, row stride ldo
+//   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
+//        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
+//
+// Status: compiled for sm_90a (csrc/instantiations/), not yet validated on a GPU and not yet
+// reachable from any op; cutlass_group_gemm_supported() answers false until it is.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hopper_moe::gemm {
+
+enum class ScaleMode : int { kNone = 0, kPerTensor = 1, kPerRow = 2 };
+
+struct MoeGemmArgs {
+  const void* x = nullptr;            // [m_total, K]
+  const void* w = nullptr;            // [E, N, K]
+  void* out = nullptr;                // [m_total, N] bf16
+  const int64_t* offsets = nullptr;   // [E + 1] expert row offsets into x / out (device)
+  const float* a_scale = nullptr;     // [1] or [m_total] (device), by a_mode
+  const float* b_scale = nullptr;     // [E] or [E, N] (device), by b_mode
+  ScaleMode a_mode = ScaleMode::kNone;
+  ScaleMode b_mode = ScaleMode::kNone;
+  int num_experts = 0;
+  int n = 0;
+  int k = 0;
+  int64_t m_total = 0;                // rows of x and out
+  int64_t ldx = 0;                    // row stride of x, elements (16-byte multiple for TMA)
+  int64_t ldo = 0;                    // row stride of out, elements
+  int64_t max_rows_per_expert = 0;    // static bound on offsets[e+1]-offsets[e] (grid size)
+};
+
+// Each launches on `stream` and returns the launch's cudaError_t.
+cudaError_t moe_gemm_swapab_sm90_bf16(const MoeGemmArgs& args, cudaStream_t stream);
+cudaError_t moe_gemm_swapab_sm90_e4m3(const MoeGemmArgs& args, cudaStream_t stream);
+
+}  // namespace hopper_moe::gemm

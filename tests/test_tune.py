@@ -1,0 +1,255 @@
+"""hopper_moe.tune on the CPU: the pruned search space, the tuned file (name, keys, round trip
+through configs.get_config, --resume), --dry-run, the no-GPU exit, the output check, and one
+candidate evaluation of a tiny layer in Triton's interpreter."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import pytest
+import torch
+
+from hopper_moe import tune
+from hopper_moe.triton import configs
+
+SHAPES = [(8, 2), (128, 8)]  # (num_experts, top_k)
+MS = [1, 2, 8, 48, 64, 4096]
+CFG_A = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, SWAP_AB=True,
+             ONE_SLOT_PER_BLOCK=True, num_warps=4, num_stages=5)
+CFG_B = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, SWAP_AB=True,
+             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=2)
+CFG_C = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, SWAP_AB=False,
+             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=3)
+
+
+def time_once(fn):
+    """A timer for the interpreter tests: one call, its wall time."""
+    t0 = time.perf_counter()
+    out = fn()
+    us = (time.perf_counter() - t0) * 1e6
+    return tune.bench_common().Timing(us, us, us, 1, "wall"), out
+
+
+@pytest.fixture
+def fresh_config_cache():
+    configs._load.cache_clear()
+    yield
+    configs._load.cache_clear()
+
+
+# ------------------------------------------------------------------------ search space
+@pytest.mark.parametrize("scheme", tune.SCHEMES)
+def test_every_config_obeys_the_rules(scheme):
+    nbytes = 2 if scheme == "bf16" else 1
+    for num_experts, top_k in SHAPES:
+        for m in MS:
+            space = tune.search_space(m, scheme, top_k, num_experts)
+            assert space, (m, num_experts)
+            for c in space:
+                smem = c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * nbytes
+                assert smem <= 227 * 1024, c
+                assert c["BLOCK_M"] <= 64 or not c["SWAP_AB"], c
+                if scheme == "fp8_block":
+                    assert c["BLOCK_K"] == 128 and c["BLOCK_N"] <= 128, c
+                assert c["BLOCK_M"] <= max(16, 2 ** math.ceil(math.log2(m))), c
+                if c["ONE_SLOT_PER_BLOCK"]:
+                    assert c["BLOCK_M"] == 16 and c["GROUP_M"] == 1, c
+                    assert m * top_k <= num_experts, c
+                assert c["BLOCK_N"] in tune.BLOCK_NS and c["num_stages"] in tune.NUM_STAGES
+            assert len({json.dumps(c, sort_keys=True) for c in space}) == len(space)
+
+
+def test_pruning_removes_what_it_should_and_keeps_the_rest():
+    everything = tune.all_configs()
+    assert len(everything) == 4 * 4 * 3 * 3 * 2 * 2 * 4 + 4 * 3 * 2 * 2 * 4
+    big = dict(CFG_C, BLOCK_N=256, BLOCK_K=128, num_stages=3)  # 3*(128+256)*128 elements
+    assert tune.why_pruned(big, "bf16") == "shared memory"  # 288 KB
+    assert tune.why_pruned(big, "fp8_tensor") is None       # 144 KB
+    assert tune.why_pruned(dict(CFG_C, SWAP_AB=True), "bf16") == "swap-AB needs BLOCK_M <= 64"
+    assert tune.why_pruned(dict(CFG_B, BLOCK_K=128), "fp8_block") is None
+    assert tune.why_pruned(CFG_B, "fp8_block") is not None            # BLOCK_K 256
+    assert tune.why_pruned(dict(CFG_B, BLOCK_K=128, BLOCK_N=256), "fp8_block") is not None
+    assert tune.why_pruned(CFG_B, "bf16", m=8, top_k=2, num_experts=8) == "BLOCK_M above M"
+    assert tune.why_pruned(CFG_B, "bf16", m=32, top_k=2, num_experts=8) is not None  # GROUP_M 8
+    assert tune.why_pruned(dict(CFG_B, GROUP_M=1), "bf16", m=32, top_k=2, num_experts=8) is None
+    assert tune.why_pruned(CFG_A, "bf16", m=4, top_k=2, num_experts=8) is None
+    assert tune.why_pruned(CFG_A, "bf16", m=5, top_k=2, num_experts=8) is not None
+    # Large M keeps the standard mapping with big tiles; small M keeps swap-AB tiles.
+    large = tune.search_space(4096, "bf16", 2, 8)
+    assert any(c["BLOCK_M"] == 128 and c["GROUP_M"] == 16 and not c["SWAP_AB"] for c in large)
+    small = tune.search_space(1, "fp8_tensor", 8, 128)
+    assert {c["BLOCK_M"] for c in small} == {16}
+    assert any(c["ONE_SLOT_PER_BLOCK"] for c in small) and any(c["SWAP_AB"] for c in small)
+    assert len(small) < len(tune.search_space(64, "fp8_tensor", 8, 128)) < len(everything)
+
+
+@pytest.mark.parametrize("scheme", tune.SCHEMES)
+def test_the_default_config_fits_the_same_budget(scheme):
+    for m in configs.M_BUCKETS:
+        cfg = tune.baseline_config(m, 8, 128, scheme)
+        assert set(cfg) == set(tune.CONFIG_KEYS)
+        assert tune.why_pruned(cfg, scheme) is None, (m, cfg)
+
+
+# -------------------------------------------------------------------------- the file
+def test_file_name_is_the_one_get_config_reads(tmp_path):
+    path = tune.output_path(tmp_path, 256, 256, "fp8_block", device_name="NVIDIA H200")
+    assert path.name == ("E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,"
+                         "block_shape=[128,128].json")
+    assert path.name == configs.config_file_name(256, 256, "fp8_block", "NVIDIA H200")
+    assert tune.output_path(tmp_path, 8, 14336, "bf16", "NVIDIA H200").name == \
+        "E=8,N=14336,device_name=NVIDIA_H200.json"
+    assert tune.output_path(tmp_path, 8, 14336, "fp8_channel", "NVIDIA H200").name == \
+        "E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
+
+
+def test_entries_are_written_sorted_and_complete(tmp_path):
+    path = tune.output_path(tmp_path / "sub", 8, 14336, "bf16", "NVIDIA H200")
+    tune.save_entry(path, 256, dict(CFG_C, extra=1))
+    tune.save_entry(path, 1, CFG_A)
+    tune.save_entry(path, 16, CFG_C)
+    tune.save_entry(path, 16, CFG_B)  # replaces
+    with open(path) as f:
+        raw = json.load(f)
+    assert list(raw) == ["1", "16", "256"]
+    assert raw["1"] == CFG_A and raw["16"] == CFG_B and raw["256"] == CFG_C
+    assert all(list(v) == list(tune.CONFIG_KEYS) for v in raw.values())
+    assert tune.load_table(path) == {1: CFG_A, 16: CFG_B, 256: CFG_C}
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_round_trip_through_get_config(tmp_path, monkeypatch, fresh_config_cache):
+    E, topk, inter = 8, 2, 14336
+    path = tune.output_path(tmp_path, E, inter, "fp8_channel", device_name="NVIDIA H200")
+    for m, cfg in ((1, CFG_A), (16, CFG_B), (256, CFG_C)):
+        tune.save_entry(path, m, cfg)
+    monkeypatch.setenv("HOPPER_MOE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(configs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(configs, "_device_name", lambda: "NVIDIA H200")
+    for tokens, want in ((1, CFG_A), (3, CFG_A), (10, CFG_B), (16, CFG_B), (100, CFG_B),
+                         (200, CFG_C), (9000, CFG_C)):
+        assert configs.get_config(tokens, topk, E, inter, "fp8_channel") == want, tokens
+    # The dtype is part of the name: bf16 finds no file and keeps the default.
+    assert configs.get_config(10, topk, E, inter, "bf16") == \
+        configs.default_config(10, topk, E, "bf16")
+
+
+def test_resume_skips_the_m_values_in_the_file(tmp_path, capsys):
+    path = tune.output_path(tmp_path, 8, 512, "bf16")
+    assert tune.pending_ms([1, 2, 16], path, resume=True) == [1, 2, 16]  # no file yet
+    tune.save_entry(path, 1, CFG_A)
+    tune.save_entry(path, 16, CFG_B)
+    assert tune.pending_ms([1, 2, 16, 64], path, resume=True) == [2, 64]
+    assert tune.pending_ms([1, 2, 16, 64], path, resume=False) == [1, 2, 16, 64]
+    assert tune.main(["--shape", "tiny", "--m", "1,2,16,64", "--out", str(tmp_path),
+                      "--resume", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "M = 1, 16 already in the file, skipped" in out
+    assert "M=2:" in out and "M=64:" in out and "M=1:" not in out and "M=16:" not in out
+
+
+# --------------------------------------------------------------------------------- CLI
+def test_dry_run_lists_the_space_per_m(tmp_path, capsys):
+    assert tune.main(["--shape", "qwen3_30b", "--dtype", "fp8_block", "--m", "1,64,4096",
+                      "--out", str(tmp_path), "--device-name", "NVIDIA H200", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "E=128,N=768,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json" in out
+    for m in (1, 64, 4096):
+        kept = len(tune.search_space(m, "fp8_block", 8, 128))
+        assert f"M={m}: {kept} configs" in out
+    total = sum(len(tune.search_space(m, "fp8_block", 8, 128)) + 1 for m in (1, 64, 4096))
+    assert f"total: {total} timed runs for 3 M values" in out
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_custom_shape_and_bad_arguments(capsys):
+    assert tune.main(["--E", "4", "--H", "128", "--I", "64", "--topk", "2", "--m", "5",
+                      "--dry-run"]) == 0
+    assert "E=4 topk=2 H=128 I=64" in capsys.readouterr().out
+    for argv, msg in ((["--E", "4", "--dry-run"], "all of --E --H --I --topk"),
+                      (["--shape", "mixtral", "--E", "4", "--dry-run"], "not both"),
+                      (["--shape", "nope", "--dry-run"], "unknown shape"),
+                      (["--shape", "gpt_oss_120b", "--dtype", "fp8_block", "--dry-run"],
+                       "not multiples of 128")):
+        with pytest.raises(SystemExit, match=msg):
+            tune.main(argv)
+
+
+def test_without_a_gpu_it_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--shape", "tiny", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_plain_progress_line_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
+    bar = tune.Progress(3, "M=4")
+    for us in (5.0, 3.0, 4.0):
+        bar.update(us)
+    bar.close()
+    assert "M=4: 3/3 configs, best 3.0 us" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- output check
+def test_judge_rejects_wrong_outputs():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1024, 64, generator=g)
+    good = ref + 1e-4 * torch.randn(1024, 64, generator=g)
+    err, why = tune.judge(good, ref, "bf16")
+    assert why is None and err < 1e-3
+    assert tune.judge(good, ref, "bf16", base_err=err)[1] is None
+    one_row = good.clone()
+    one_row[17] = 0.0  # one token of 1024 lost: 3% of the norm, under the fp8 norm limit
+    err, why = tune.judge(one_row, ref, "fp8_tensor")
+    assert err < tune.ERR_MAX["fp8_tensor"] and "row 17" in why
+    noisy = ref + 3e-3 * torch.randn(1024, 64, generator=g)
+    assert tune.judge(noisy, ref, "bf16")[1] is None                       # under ERR_MAX
+    assert "rel err" in tune.judge(noisy, ref, "bf16", base_err=1e-4)[1]   # worse than base
+    nan = good.clone()
+    nan[3, 5] = float("nan")
+    assert tune.judge(nan, ref, "bf16")[1] == "non-finite output"
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_channel"])
+def test_candidates_of_a_tiny_layer_in_the_interpreter(scheme):
+    C = tune.bench_common()
+    shape = C.MoEShape("t", 4, 2, 128, 64)
+    w1, w2, quant = tune.make_weights(shape, scheme, "cpu", seed=0)
+    layer = tune.make_layer(shape, w1, w2, quant, 5, "cpu", seed=0)
+    ref = layer.reference()
+    timer = time_once
+    base = tune.evaluate(layer, tune.baseline_config(5, 2, 4, scheme), ref, scheme, timer)
+    assert base.rejected is None and base.err < tune.ERR_MAX[scheme] and base.us > 0
+    other = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SWAP_AB=False,
+                 ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2)
+    assert other != base.config and other in tune.search_space(5, scheme, 2, 4)
+    res = tune.evaluate(layer, other, ref, scheme, timer, base.err)
+    assert res.rejected is None and res.err < tune.ERR_MAX[scheme]
+    broken = tune.evaluate(layer, dict(other, BLOCK_K=48), ref, scheme, timer, base.err)
+    assert broken.rejected.startswith("failed") and math.isnan(broken.us)
+
+
+def test_tune_loop_writes_each_m_in_the_interpreter(tmp_path, monkeypatch, capsys):
+    """The whole loop on a tiny layer, with two candidates per M besides the default."""
+    C = tune.bench_common()
+    shape = C.MoEShape("t", 4, 2, 128, 64)
+    real_space = tune.search_space
+
+    def two(m, scheme, top_k, num_experts):
+        space = real_space(m, scheme, top_k, num_experts)
+        return [next(c for c in space if c["SWAP_AB"]), next(c for c in space if not c["SWAP_AB"])]
+
+    monkeypatch.setattr(tune, "search_space", two)
+    path = tune.output_path(tmp_path, 4, 64, "bf16")
+    timer = time_once
+    rows = tune.tune_shape(shape, "bf16", [1, 5], path, "cpu", timer)
+    table = tune.load_table(path)
+    assert sorted(table) == [1, 5] and [r[0] for r in rows] == [1, 5]
+    for m in (1, 5):
+        tried = two(m, "bf16", 2, 4) + [tune.baseline_config(m, 2, 4, "bf16")]
+        assert table[m] in tried
+    assert all(r[5] == 0 for r in rows)  # nothing rejected
+    assert "M=5:" in capsys.readouterr().out
