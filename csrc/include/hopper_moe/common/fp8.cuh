@@ -21,10 +21,9 @@
 
 #ifdef __CUDACC__
 #include <cuda_fp8.h>
-#define HM_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define HM_HOST_DEVICE inline
 #endif
+
+#include "hopper_moe/common/math.cuh"
 
 namespace hopper_moe::fp8 {
 
@@ -34,25 +33,8 @@ constexpr float kE4M3Max = 448.0f;
 // finite, non-zero scale, and x / scale stays finite.
 constexpr float kMinScale = 1.0f / (kE4M3Max * 512.0f);
 
-HM_HOST_DEVICE uint32_t float_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-#endif
-}
-
-HM_HOST_DEVICE float bits_float(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
+using math::bits_float;
+using math::float_bits;
 
 // Clamp of the scaled-quant family (static, dynamic, per-token, silu_and_mul_quant):
 // fmaxf(-448, fminf(v, 448)). fminf(NaN, 448) is 448, so NaN maps to +448.
