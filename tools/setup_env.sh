@@ -27,9 +27,13 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p build
 echo "setup_env: building hopper_moe._C (MAX_JOBS=$MAX_JOBS; log: build/build.log)"
 start=$(date +%s)
-if ! python -m pip install --no-build-isolation --no-deps -v -e . >build/build.log 2>&1; then
+# An in-place build (ninja recompiles only what changed on later runs) and a .pth file that
+# puts python/ on the venv's path: the same result as `pip install --no-build-isolation -e .`,
+# which would rebuild everything in a fresh temporary folder each time.
+if ! python setup.py build_ext --inplace >build/build.log 2>&1; then
   grep -E "error" build/build.log | head -40
   echo "setup_env: build failed, see build/build.log"; exit 1
 fi
+echo "$PWD/python" >"$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hopper_moe_dev.pth"
 echo "setup_env: built in $(( $(date +%s) - start )) s"
 python tools/check_ptxas.py build/build.log
