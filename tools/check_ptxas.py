@@ -30,6 +30,9 @@ def main(path: str) -> int:
             if lmem and int(lmem.group(1)):
                 bad.append(f"{current}: {lmem.group(1)} B local memory")
             current = None
+    if kernels == 0:
+        print("check_ptxas: no kernel was compiled in this build (up to date)")
+        return 0
     print(f"check_ptxas: {kernels} kernels, {len(bad)} with spills or local memory")
     for b in bad:
         print("  SPILL", b)
