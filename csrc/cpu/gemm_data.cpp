@@ -24,6 +24,7 @@
 // expert_first_token_offset[e] clamped to [0, 2^31 - 1] (garbage offsets never yield a negative
 // GEMM size), problem_sizes1[e] = (m_e, 2n, k), problem_sizes2[e] = (m_e, k, n), swapped to
 // (2n, m_e, k) / (k, m_e, n) when swap_ab.
+#include "hopper_moe/common/swap_ab.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -32,9 +33,6 @@
 
 namespace hopper_moe::cpu {
 namespace {
-
-// vLLM's threshold: at or below this many slots the problem sizes are written swapped.
-constexpr int64_t kSwapAbMaxSlots = 64;
 
 void write_problem_sizes(int32_t* ps1, int32_t* ps2, int64_t e, int32_t m, int32_t n1,
                          int32_t n, int32_t k, bool swap_ab) {

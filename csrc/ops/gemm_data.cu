@@ -9,6 +9,7 @@
 
 #include <algorithm>
 
+#include "hopper_moe/common/swap_ab.h"
 #include "hopper_moe/moe/gemm_data.cuh"
 #include "ops.h"
 
@@ -19,7 +20,6 @@ namespace detail = gemm_data_detail;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 4096;  // grid-stride loops cover the rest
-constexpr int64_t kSwapAbMaxSlots = 64;  // vLLM's swap-AB threshold (see csrc/cpu/gemm_data.cpp)
 
 unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks));

@@ -11,9 +11,6 @@ import torch
 _ops = torch.ops.hopper_moe
 FP8_DTYPE = torch.float8_e4m3fn
 
-# vLLM swaps the grouped-GEMM problem (computes C^T = B^T A^T) at or below this many slots.
-SWAP_AB_THRESHOLD = 64
-
 
 # ----------------------------------------------------------------------------- routing
 def topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
