@@ -8,9 +8,14 @@ import os
 import torch
 
 
+# Looked up once: fused_experts asks on every call, also while torch.compile traces it, and
+# Dynamo will not trace importlib (torch 2.11 breaks the graph there).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def is_available(device_type: str) -> bool:
     """Compiled kernels on CUDA; on the CPU only inside Triton's interpreter (tests)."""
-    if importlib.util.find_spec("triton") is None:
+    if not _HAS_TRITON:
         return False
     if device_type == "cuda":
         return torch.cuda.is_available()
