@@ -4,6 +4,9 @@ DEVICES   ["cpu"] plus "cuda" when a GPU is present; parametrize device-generic 
 gpu       marker for tests that need CUDA; they skip (not fail) on a machine without a GPU.
 poison(t) fill an output with NaN (floating) or -7777 (integer) so unwritten elements show.
 seeded(s) a torch.Generator seeded with s (CPU), for reproducible random inputs.
+
+HOPPER_MOE_FAILURE_LOG=path appends each failure's report to `path` as soon as it happens, so
+a run that is stopped before pytest's summary (a time limit) still says what failed and why.
 """
 from __future__ import annotations
 
@@ -32,6 +35,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("HOPPER_MOE_FAILURE_LOG")
+    if path and report.failed and not hasattr(report, "node"):  # not xdist's forwarded copy
+        with open(path, "a") as f:
+            f.write(f"=== FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+                    f"{report.longreprtext}\n\n")
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

@@ -271,15 +271,20 @@ def test_kernel_zero_tokens_launches_nothing(monkeypatch):
     assert q.dtype == FP8 and s.dtype == torch.float32
 
 
-def _bad_inputs():
-    x, positions, cache = make_inputs(3, 4, torch.bfloat16, max_position=16)
+def _bad_inputs(device="cpu"):
+    """(the good arguments, [(argument named in the error, the changed arguments)]), built on
+    `device`: strided tensors are sliced there, since copying a tensor with gaps to another
+    device makes it contiguous (and so a valid input)."""
+    x, positions, cache = make_inputs(3, 4, torch.bfloat16, max_position=16, device=device)
     ok = dict(x=x, positions=positions, cos_sin_cache=cache, n_groups=2, heads_per_group=2)
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype,  # noqa: E731
+                                                             device=device)
     cases = [
         ("x", dict(x=x.to(torch.float64))),
         ("x", dict(x=x.to(torch.int32))),
         ("x", dict(x=x.reshape(3, 4 * HEAD))),
         ("x", dict(x=x[:, :, :256], cos_sin_cache=cache)),
-        ("x", dict(x=torch.zeros(3, 4, 2 * HEAD, dtype=torch.bfloat16)[:, :, ::2])),
+        ("x", dict(x=zeros(3, 4, 2 * HEAD, dtype=torch.bfloat16)[:, :, ::2])),
         ("n_groups", dict(n_groups=0, heads_per_group=4)),
         ("heads_per_group", dict(heads_per_group=0)),
         ("heads_per_group", dict(n_groups=2, heads_per_group=3)),
@@ -289,28 +294,25 @@ def _bad_inputs():
         ("positions", dict(positions=positions.float())),
         ("positions", dict(positions=positions[:2])),
         ("positions", dict(positions=positions.reshape(3, 1))),
-        ("positions", dict(positions=torch.arange(6)[::2])),
+        ("positions", dict(positions=torch.arange(6, device=device)[::2])),
         ("cos_sin_cache", dict(cos_sin_cache=cache.to(torch.bfloat16))),
-        ("cos_sin_cache", dict(cos_sin_cache=torch.zeros(16, 128))),
-        ("cos_sin_cache", dict(cos_sin_cache=torch.zeros(0, ROPE))),
-        ("cos_sin_cache", dict(cos_sin_cache=torch.zeros(16 * ROPE))),
-        ("cos_sin_cache", dict(cos_sin_cache=torch.zeros(16, 2 * ROPE)[:, ::2])),
+        ("cos_sin_cache", dict(cos_sin_cache=zeros(16, 128))),
+        ("cos_sin_cache", dict(cos_sin_cache=zeros(0, ROPE))),
+        ("cos_sin_cache", dict(cos_sin_cache=zeros(16 * ROPE))),
+        ("cos_sin_cache", dict(cos_sin_cache=zeros(16, 2 * ROPE)[:, ::2])),
     ]
     return ok, cases
 
 
 @pytest.mark.parametrize("index", range(len(_bad_inputs()[1])))
 def test_bad_inputs_raise(index):
-    ok, cases = _bad_inputs()
+    ok, cases = _bad_inputs(KERNEL_DEVICE)
     name, change = cases[index]
-    args = {k: (v.to(KERNEL_DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in ok.items()}
-    args.update({k: (v.to(KERNEL_DEVICE) if isinstance(v, torch.Tensor) else v)
-                 for k, v in change.items()})
+    for t in change.values():
+        assert not isinstance(t, torch.Tensor) or t.device.type == KERNEL_DEVICE
     with pytest.raises(RuntimeError, match=f": {name} "):
-        fused_inv_rope_fp8_quant(**args)
-    # the unchanged inputs are accepted
-    fused_inv_rope_fp8_quant(**{k: (v.to(KERNEL_DEVICE) if isinstance(v, torch.Tensor) else v)
-                                for k, v in ok.items()})
+        fused_inv_rope_fp8_quant(**dict(ok, **change))
+    fused_inv_rope_fp8_quant(**ok)  # the unchanged inputs are accepted
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
@@ -360,8 +362,14 @@ def test_gpu_cuda_graph_capture():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert_same(got, fused_inv_rope_fp8_quant_ref(x, positions, cache, 2, 4))
-    assert not torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    replayed = (got[0].clone(), got[1].clone())
+    assert not torch.equal(replayed[0].view(torch.uint8), want[0].view(torch.uint8)), \
+        "the replay did not read the new x"
+    # The replay equals an eager call on the same inputs, and both equal the reference
+    # (computed from CPU copies, as in the other kernel tests).
+    assert_same(replayed, fused_inv_rope_fp8_quant(x, positions, cache, 2, 4))
+    assert_same(replayed, fused_inv_rope_fp8_quant_ref(x.cpu(), positions.cpu(), cache.cpu(),
+                                                       2, 4))
 
 
 def _compiled_variants(kernel) -> int:
@@ -399,4 +407,5 @@ def test_gpu_recompilation_counter_detects_specialization(monkeypatch):
     for t in (1, 7, 16, 33):
         fused_inv_rope_fp8_quant(x_all[:t], pos_all[:t], cache, 1, 2)
     torch.cuda.synchronize()
-    assert _compiled_variants(specialized) > 1
+    keys = [k for c in specialized.device_caches.values() for k in c[0]]
+    assert _compiled_variants(specialized) > 1, f"compiled variants: {keys}"

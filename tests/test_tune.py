@@ -1,6 +1,6 @@
 """hopper_moe.tune on the CPU: the pruned search space, the tuned file (name, keys, round trip
 through configs.get_config, --resume), --dry-run, the no-GPU exit, the output check, and one
-candidate evaluation of a tiny layer in Triton's interpreter."""
+candidate evaluation of a tiny layer (compiled on a GPU, in Triton's interpreter without one)."""
 from __future__ import annotations
 
 import json
@@ -24,8 +24,14 @@ CFG_C = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, SWAP_AB=False,
              ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=3)
 
 
+# The tiny-layer tests run the kernels compiled on a GPU, in Triton's interpreter without one
+# (conftest.py sets TRITON_INTERPRET=1 there; a kernel is compiled or interpreted from import on,
+# so CPU tensors cannot take the interpreter on a machine with a GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def time_once(fn):
-    """A timer for the interpreter tests: one call, its wall time."""
+    """A timer for the tiny-layer tests: one call, its wall time."""
     t0 = time.perf_counter()
     out = fn()
     us = (time.perf_counter() - t0) * 1e6
@@ -83,6 +89,21 @@ def test_pruning_removes_what_it_should_and_keeps_the_rest():
     assert {c["BLOCK_M"] for c in small} == {16}
     assert any(c["ONE_SLOT_PER_BLOCK"] for c in small) and any(c["SWAP_AB"] for c in small)
     assert len(small) < len(tune.search_space(64, "fp8_tensor", 8, 128)) < len(everything)
+
+
+@pytest.mark.parametrize("scheme", tune.SCHEMES)
+def test_quick_space_is_a_pruned_subset_with_both_mappings(scheme):
+    full = tune.all_configs()
+    quick = tune.quick_configs()
+    assert quick and all(c in full for c in quick)
+    assert len({tuple(sorted(c.items())) for c in quick}) == len(quick)  # no duplicates
+    for m in (1, 16, 64, 256, 4096):
+        space = tune.search_space(m, scheme, 8, 128, "quick")
+        assert space and all(c in tune.search_space(m, scheme, 8, 128) for c in space)
+        assert any(c["SWAP_AB"] for c in space)
+        if m >= 256:
+            assert any(not c["SWAP_AB"] and c["BLOCK_M"] == 128 for c in space)
+    assert len(tune.search_space(4096, scheme, 2, 8, "quick")) <= 60
 
 
 @pytest.mark.parametrize("scheme", tune.SCHEMES)
@@ -214,11 +235,11 @@ def test_judge_rejects_wrong_outputs():
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_channel"])
-def test_candidates_of_a_tiny_layer_in_the_interpreter(scheme):
+def test_candidates_of_a_tiny_layer(scheme):
     C = tune.bench_common()
     shape = C.MoEShape("t", 4, 2, 128, 64)
-    w1, w2, quant = tune.make_weights(shape, scheme, "cpu", seed=0)
-    layer = tune.make_layer(shape, w1, w2, quant, 5, "cpu", seed=0)
+    w1, w2, quant = tune.make_weights(shape, scheme, DEVICE, seed=0)
+    layer = tune.make_layer(shape, w1, w2, quant, 5, DEVICE, seed=0)
     ref = layer.reference()
     timer = time_once
     base = tune.evaluate(layer, tune.baseline_config(5, 2, 4, scheme), ref, scheme, timer)
@@ -232,20 +253,20 @@ def test_candidates_of_a_tiny_layer_in_the_interpreter(scheme):
     assert broken.rejected.startswith("failed") and math.isnan(broken.us)
 
 
-def test_tune_loop_writes_each_m_in_the_interpreter(tmp_path, monkeypatch, capsys):
+def test_tune_loop_writes_each_m(tmp_path, monkeypatch, capsys):
     """The whole loop on a tiny layer, with two candidates per M besides the default."""
     C = tune.bench_common()
     shape = C.MoEShape("t", 4, 2, 128, 64)
     real_space = tune.search_space
 
-    def two(m, scheme, top_k, num_experts):
-        space = real_space(m, scheme, top_k, num_experts)
+    def two(m, scheme, top_k, num_experts, space_name="full"):
+        space = real_space(m, scheme, top_k, num_experts, space_name)
         return [next(c for c in space if c["SWAP_AB"]), next(c for c in space if not c["SWAP_AB"])]
 
     monkeypatch.setattr(tune, "search_space", two)
     path = tune.output_path(tmp_path, 4, 64, "bf16")
     timer = time_once
-    rows = tune.tune_shape(shape, "bf16", [1, 5], path, "cpu", timer)
+    rows = tune.tune_shape(shape, "bf16", [1, 5], path, DEVICE, timer)
     table = tune.load_table(path)
     assert sorted(table) == [1, 5] and [r[0] for r in rows] == [1, 5]
     for m in (1, 5):

@@ -29,16 +29,22 @@ for step in $steps; do
       python3 tools/check_ptxas.py "$OUT/build.log" | tee "$OUT/ptxas.txt" || rc=1
       ldd python/hopper_moe/_C*.so | grep -E "stdc\+\+|gcc_s" ;;
     test)
-      python3 -m pytest tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40
-      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+      # Each failure's report lands in failures.txt when it happens (a run stopped early still
+      # says what failed); tests.log names every test. PYTEST_ARGS adds options, e.g.
+      # "-n 12 --timeout 600" (pytest-xdist, pytest-timeout) or "-k fuzz".
+      HOPPER_MOE_FAILURE_LOG="$OUT/failures.txt" python3 -m pytest tests -v -rfEs \
+        -p no:cacheprovider ${PYTEST_ARGS:-} >"$OUT/tests.log" 2>&1
+      [ "$?" -eq 0 ] || rc=1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
     bench)
       # One device command has 10 minutes: the default is the two decode-critical shapes;
       # BENCH_SHAPES=... selects others (see benchmarks/README.md).
       # Results go to one archive: at most 8 files come back from a device command.
       res=/tmp/hopper_moe_results; mkdir -p $res
-      python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
-      python3 benchmarks/bench_moe.py --shapes "${BENCH_SHAPES:-mixtral,qwen3_30b}" --out $res \
-        --plot 2>&1 | tee "$OUT/bench_moe.log" | tail -60
+      # BENCH_OPS=0 skips the ops benchmark; BENCH_ARGS replaces bench_moe's arguments.
+      [ "${BENCH_OPS:-1}" = 0 ] || python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
+      python3 benchmarks/bench_moe.py ${BENCH_ARGS:---shapes ${BENCH_SHAPES:-mixtral,qwen3_30b} --plot} \
+        --out $res 2>&1 | tee "$OUT/bench_moe.log" | tail -60
       tar czf "$OUT/results.tgz" -C $res . ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do

@@ -3,6 +3,7 @@
     python -m hopper_moe.tune --shape mixtral --dtype fp8_channel --out DIR
     python -m hopper_moe.tune --E 8 --H 4096 --I 14336 --topk 2 --dtype bf16 --m 1,16,256
     python -m hopper_moe.tune --shape qwen3_30b --dtype bf16 --dry-run    # no GPU needed
+    python -m hopper_moe.tune --shape mixtral --dtype bf16 --space quick   # ~60 configs per M
 
 For every token count M it times the whole `fused_experts_triton` layer with each config of a
 pruned search space (CUDA graph of one call, median of replays, L2 evicted between replays:
@@ -126,14 +127,39 @@ def all_configs() -> list[dict]:
     return out
 
 
-def search_space(m: int, scheme: str, top_k: int, num_experts: int) -> list[dict]:
-    return [c for c in all_configs() if why_pruned(c, scheme, m, top_k, num_experts) is None]
+def quick_configs() -> list[dict]:
+    """A hand-picked subset of all_configs() (~60 before pruning) for a tuning pass of a few
+    minutes: swap-AB tiles of 16/32/64 token rows for decode, the one-slot tiles, and the
+    standard-mapping tiles that win at large M on Hopper (64/128 x 128/256, 8 warps)."""
+    rows = [(bm, bn, bk, 1, True, False, 4, ns)
+            for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256) for ns in (3, 4, 5)]
+    rows += [(16, bn, bk, 1, True, True, 4, ns)
+             for bn in (64, 128) for bk in (128, 256) for ns in (4, 5)]
+    rows += [(16, 128, 128, 1, False, False, 4, 4), (32, 128, 128, 16, False, False, 4, 3),
+             (64, 64, 128, 1, False, False, 4, 4), (64, 128, 64, 8, False, False, 4, 3),
+             (64, 128, 128, 8, False, False, 4, 3), (64, 128, 64, 8, False, False, 8, 4),
+             (64, 256, 64, 8, False, False, 8, 3), (128, 128, 64, 8, False, False, 8, 3),
+             (128, 128, 128, 8, False, False, 8, 3), (128, 256, 64, 16, False, False, 8, 3),
+             (128, 256, 64, 16, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 3)]
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "ONE_SLOT_PER_BLOCK",
+            "num_warps", "num_stages")
+    return [dict(zip(keys, r)) for r in rows]
 
 
-def prune_summary(m: int, scheme: str, top_k: int, num_experts: int) -> dict[str, int]:
+SPACES = {"full": all_configs, "quick": quick_configs}
+
+
+def search_space(m: int, scheme: str, top_k: int, num_experts: int,
+                 space: str = "full") -> list[dict]:
+    return [c for c in SPACES[space]()
+            if why_pruned(c, scheme, m, top_k, num_experts) is None]
+
+
+def prune_summary(m: int, scheme: str, top_k: int, num_experts: int,
+                  space: str = "full") -> dict[str, int]:
     """Number of configs each rule removes first, and 'kept'."""
     counts: dict[str, int] = {}
-    for c in all_configs():
+    for c in SPACES[space]():
         why = why_pruned(c, scheme, m, top_k, num_experts) or "kept"
         counts[why] = counts.get(why, 0) + 1
     return counts
@@ -316,7 +342,8 @@ class Progress:
             print(file=sys.stderr)
 
 
-def tune_one_m(layer: Layer, m: int, shape, scheme: str, timer) -> tuple[Result, Result, int]:
+def tune_one_m(layer: Layer, m: int, shape, scheme: str, timer,
+               space_name: str = "full") -> tuple[Result, Result, int]:
     """(best, baseline, number rejected) for one M. The baseline (default config) is timed
     first; its error against the reference is the yardstick of every other candidate."""
     ref = layer.reference()
@@ -326,7 +353,7 @@ def tune_one_m(layer: Layer, m: int, shape, scheme: str, timer) -> tuple[Result,
         raise RuntimeError(f"M={m}: the default config {base.config} fails ({base.rejected}): "
                            "a kernel bug, not a tuning question")
     best, rejected = base, 0
-    space = search_space(m, scheme, shape.top_k, shape.num_experts)
+    space = search_space(m, scheme, shape.top_k, shape.num_experts, space_name)
     bar = Progress(len(space), f"M={m}")
     for cfg in space:
         res = evaluate(layer, cfg, ref, scheme, timer, base.err)
@@ -342,14 +369,14 @@ def tune_one_m(layer: Layer, m: int, shape, scheme: str, timer) -> tuple[Result,
 
 
 def tune_shape(shape, scheme: str, ms: list[int], path: Path, device, timer,
-               seed: int = 0) -> list[list]:
+               seed: int = 0, space_name: str = "full") -> list[list]:
     """Tune every M of `ms` in turn, adding each winner to the file at `path` as soon as it
     is known. Returns the rows of the summary table."""
     w1, w2, quant = make_weights(shape, scheme, device, seed)
     rows = []
     for m in ms:
         layer = make_layer(shape, w1, w2, quant, m, device, seed)
-        best, base, rejected = tune_one_m(layer, m, shape, scheme, timer)
+        best, base, rejected = tune_one_m(layer, m, shape, scheme, timer, space_name)
         save_entry(path, m, best.config)
         cfg = " ".join(f"{k}={best.config[k]}" for k in CONFIG_KEYS)
         print(f"M={m}: {best.us:.1f} us (default {base.us:.1f} us, x{base.us / best.us:.2f}), "
@@ -375,6 +402,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "current GPU's torch.cuda.get_device_name(), e.g. 'NVIDIA H200'")
     p.add_argument("--resume", action="store_true",
                    help="keep the file's entries and skip their M values")
+    p.add_argument("--space", choices=sorted(SPACES), default="full",
+                   help="full: every option pruned by the rules; quick: a hand-picked ~60 "
+                   "(minutes instead of hours; see quick_configs)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the pruned search space per M (no GPU needed)")
     p.add_argument("--iters", type=int, default=30, help="timed graph replays per config")
@@ -420,7 +450,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         total = 0
         for m in todo:
-            counts = prune_summary(m, args.dtype, shape.top_k, shape.num_experts)
+            counts = prune_summary(m, args.dtype, shape.top_k, shape.num_experts, args.space)
             kept = counts.pop("kept", 0)
             total += kept + 1
             removed = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
@@ -442,7 +472,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     timer = functools.partial(C.time_cuda, iters=args.iters, warmup=args.warmup,
                               evict=C.L2Evictor(device))
-    rows = tune_shape(shape, args.dtype, todo, path, device, timer, args.seed)
+    rows = tune_shape(shape, args.dtype, todo, path, device, timer, args.seed, args.space)
     print()
     print(C.text_table(["M", "best us", "default us", "speed-up", "rel err", "rejected",
                         "config"], rows))
