@@ -74,7 +74,13 @@ using OptTensor = std::optional<at::Tensor>;
   /* grouped GEMM (grouped_gemm.*) */                                                          \
   void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,             \
                         const at::Tensor& expert_offsets, const OptTensor& a_scales,           \
-                        const OptTensor& b_scales);
+                        const OptTensor& b_scales);                                            \
+  void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,                    \
+                      const at::Tensor& b_tensors, const at::Tensor& a_scales,                 \
+                      const at::Tensor& b_scales, const at::Tensor& expert_offsets,            \
+                      const at::Tensor& problem_sizes, const at::Tensor& a_strides,            \
+                      const at::Tensor& b_strides, const at::Tensor& c_strides,                \
+                      bool per_act_token, bool per_out_ch);
 
 // grouped_topk is the one op that returns tensors; it is declared beside the macro because
 // its check:: form returns nothing.

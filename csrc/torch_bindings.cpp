@@ -10,8 +10,10 @@
 namespace hopper_moe {
 
 bool cutlass_group_gemm_supported(int64_t cuda_device_capability) {
-  // cutlass_moe_mm (the hand-written SM90 grouped GEMM) is not part of this build yet: no
-  // capability can run it, and callers must take another path.
+  // cutlass_moe_mm runs the hand-written SM90 grouped GEMM. The kernel is validated on an
+  // H200 through moe_grouped_gemm; the cutlass_moe_mm entry itself (row ranges from vLLM's
+  // offsets and problem sizes) has CPU tests only so far, so callers are not sent to it yet:
+  // this answers true for SM90 once its GPU tests have run.
   (void)cuda_device_capability;
   return false;
 }
@@ -80,6 +82,12 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.def(
       "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
       "Tensor? a_scales, Tensor? b_scales) -> ()");
+  // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
+  m.def(
+      "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "
+      "Tensor a_scales, Tensor b_scales, Tensor expert_offsets, Tensor problem_sizes, "
+      "Tensor a_strides, Tensor b_strides, Tensor c_strides, bool per_act_token, "
+      "bool per_out_ch) -> ()");
 }
 
 #define HOPPER_MOE_IMPL_ALL(m, ns)                                                            \
@@ -100,7 +108,8 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("get_cutlass_moe_mm_data", &ns::get_cutlass_moe_mm_data);                            \
   m.impl("get_cutlass_moe_mm_problem_sizes_from_expert_offsets",                              \
          &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);                          \
-  m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);
+  m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);                                          \
+  m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }
 

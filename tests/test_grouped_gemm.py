@@ -1,7 +1,7 @@
 """moe_grouped_gemm: CPU definition vs the fp32 reference; the SM90 kernel vs both on the GPU.
 
-The CUDA kernel runs only with HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM=1 until it has been
-validated; the GPU tests here set it, and one test pins that it refuses without it.
+The CUDA kernel is sm_90a code: the GPU tests run where the device is compute capability 9.0
+and, elsewhere, check that the op refuses with a clear error.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from conftest import gpu, seeded
 from hopper_moe import ops, reference
 
 FP8 = torch.float8_e4m3fn
-GATE = "HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM"
 
 
 def offsets_from_counts(counts, device="cpu"):
@@ -129,21 +128,136 @@ def test_opcheck():
                               (out, a, b, offs, sa, sb), test_utils=tests)
 
 
+# --------------------------------------------------------------------------- cutlass_moe_mm
+def cutlass_args(topk_ids, n, k, per_act_token, per_out_ch, seed=0, device="cpu",
+                 num_experts=None):
+    """vLLM's call of cutlass_moe_mm for GEMM1 of a layer: get_cutlass_moe_mm_data's offsets and
+    problem sizes (swapped when M_tot <= 64), fp8 rows permuted to expert order, scales, and
+    the dense strides. Returns (args of the op after out_tensors, row offsets [E + 1])."""
+    e = num_experts or max(int(topk_ids.max()) + 1, 4)
+    rows = topk_ids.numel()
+    dev = topk_ids.device
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    ps1 = torch.empty(e, 3, dtype=torch.int32, device=dev)
+    ps2 = torch.empty(e, 3, dtype=torch.int32, device=dev)
+    a_map = torch.empty(rows, dtype=torch.int32, device=dev)
+    c_map = torch.empty(rows, dtype=torch.int32, device=dev)
+    torch.ops.hopper_moe.get_cutlass_moe_mm_data(topk_ids, offsets, ps1, ps2, a_map, c_map, e,
+                                                 n // 2, k, None, True)
+    counts = torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=e).tolist()
+    a, b, offs, sa, sb = make_problem(counts, n, k, "fp8", "token" if per_act_token else "tensor",
+                                      "channel" if per_out_ch else "tensor", seed=seed)
+    assert torch.equal(offs, offsets.long().cpu()), "get_cutlass_moe_mm_data's offsets"
+    strides = torch.full((e,), k, dtype=torch.int64)
+    c_strides = torch.full((e,), n, dtype=torch.int64)
+    args = [a, b, sa, sb, offsets[:-1], ps1, strides, strides, c_strides, per_act_token,
+            per_out_ch]
+    args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args]
+    return args, offs
+
+
+@pytest.mark.parametrize("per_act_token,per_out_ch", [(False, False), (True, True),
+                                                      (False, True)])
+@pytest.mark.parametrize("num_tokens,topk", [(1, 2), (5, 4), (16, 4), (40, 2), (100, 3)])
+def test_cutlass_moe_mm_cpu_matches_reference(num_tokens, topk, per_act_token, per_out_ch):
+    """M_tot = num_tokens * topk on both sides of 64: swapped and plain problem sizes."""
+    g = seeded(num_tokens)
+    topk_ids = torch.stack([torch.randperm(8, generator=g)[:topk] for _ in range(num_tokens)])
+    topk_ids = topk_ids.int()
+    args, offs = cutlass_args(topk_ids, 64, 128, per_act_token, per_out_ch, seed=topk)
+    a, b = args[0], args[1]
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16)
+    ops.cutlass_moe_mm(out, *args)
+    check_against_reference(out, a, b, offs, args[2], args[3])
+    assert not torch.isnan(out.float()).any()  # the groups tile every row
+
+
+def test_cutlass_moe_mm_reads_the_swapped_row_count():
+    """Only the last group's end comes from problem_sizes: column 0, or column 1 when
+    M_tot <= 64 (swapped). A wrong count there changes exactly the rows it covers."""
+    topk_ids = torch.tensor([[0, 3], [3, 1], [2, 3]], dtype=torch.int32)  # expert 3 is last
+    args, offs = cutlass_args(topk_ids, 32, 64, False, False)
+    ps = args[5]
+    assert ps[3].tolist() == [32, 3, 64]  # swapped: (N, m, K) with N = 2 * (32 // 2)
+    a, b = args[0], args[1]
+    short = ps.clone()
+    short[3, 1] = 2  # the last expert's last row is left out
+    out = torch.full((6, 32), float("nan"), dtype=torch.bfloat16)
+    ops.cutlass_moe_mm(out, a, b, args[2], args[3], args[4], short, *args[6:])
+    assert torch.isnan(out[5].float()).all() and not torch.isnan(out[:5].float()).any()
+
+
+def _cutlass_bad_calls():
+    topk_ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    args, _ = cutlass_args(topk_ids, 32, 64, False, False)
+    a, b, sa, sb, offs, ps, st, _, cst, _, _ = args
+    out = torch.empty(4, 32, dtype=torch.bfloat16)
+    call = torch.ops.hopper_moe.cutlass_moe_mm
+
+    def with_(**kw):
+        names = ["a_tensors", "b_tensors", "a_scales", "b_scales", "expert_offsets",
+                 "problem_sizes", "a_strides", "b_strides", "c_strides", "per_act_token",
+                 "per_out_ch"]
+        values = dict(zip(names, args))
+        values.update(kw)
+        return lambda: call(kw.pop("out", out), *[values[n] for n in names])
+
+    return [
+        ("a_tensors", with_(a_tensors=a.float())),
+        ("b_tensors", with_(b_tensors=b.float())),
+        ("out_tensors", with_(out=out.half())),
+        ("out_tensors", with_(out=out[:3])),
+        ("a_tensors", with_(a_tensors=a[:, :32].contiguous())),
+        ("expert_offsets", with_(expert_offsets=offs[:3])),
+        ("expert_offsets", with_(expert_offsets=offs.float())),
+        ("problem_sizes", with_(problem_sizes=ps[:, :2].contiguous())),
+        ("problem_sizes", with_(problem_sizes=ps.long())),
+        ("a_strides", with_(a_strides=st[:2])),
+        ("c_strides", with_(c_strides=cst.int())),
+        ("a_scales", with_(per_act_token=True)),
+        ("b_scales", with_(per_out_ch=True)),
+        ("a_scales", with_(a_scales=sa.double())),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_cutlass_bad_calls())))
+def test_cutlass_moe_mm_bad_inputs_raise(case):
+    name, call = _cutlass_bad_calls()[case]
+    with pytest.raises(RuntimeError, match=f"cutlass_moe_mm.*{name}"):
+        call()
+
+
+def test_cutlass_moe_mm_opcheck():
+    for ids in ([[0, 1]], [[0, 2], [1, 2], [3, 0]]):
+        args, _ = cutlass_args(torch.tensor(ids, dtype=torch.int32), 32, 64, False, True)
+        out = torch.zeros(args[0].shape[0], 32, dtype=torch.bfloat16)
+        torch.library.opcheck(torch.ops.hopper_moe.cutlass_moe_mm.default, (out, *args),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 # ------------------------------------------------------------------------------------ GPU
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+sm90 = pytest.mark.skipif(torch.cuda.is_available() and not _is_sm90(),
+                          reason="sm_90a code; other GPUs run test_cuda_refuses_off_sm90")
+
+
 @gpu
-def test_cuda_refuses_without_validation_flag(monkeypatch):
-    monkeypatch.delenv(GATE, raising=False)
+@pytest.mark.skipif(_is_sm90(), reason="an SM90 GPU runs the kernel (the tests below)")
+def test_cuda_refuses_off_sm90():
     a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
-    with pytest.raises(RuntimeError, match="not been validated"):
+    with pytest.raises(RuntimeError, match="needs an SM90 GPU"):
         run(a, b, offs, None, None)
 
 
 @gpu
+@sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, monkeypatch):
-    monkeypatch.setenv(GATE, "1")
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode):
     rng = random.Random(5)
     failures = []
     for case in range(120):
@@ -168,18 +282,18 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, monkeypatch):
 
 
 @gpu
-def test_cuda_fp8_large_k_accumulation(monkeypatch):
+@sm90
+def test_cuda_fp8_large_k_accumulation():
     """K = 14336 (mixtral's intermediate): the promoted fp32 accumulation keeps the error at
     the bf16 output's rounding."""
-    monkeypatch.setenv(GATE, "1")
     a, b, offs, sa, sb = make_problem([5, 11], 256, 14336, "fp8", "token", "channel",
                                       device="cuda")
     check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb, atol=2e-2, rtol=1e-2)
 
 
 @gpu
-def test_cuda_graph_replay_with_new_offsets(monkeypatch):
-    monkeypatch.setenv(GATE, "1")
+@sm90
+def test_cuda_graph_replay_with_new_offsets():
     a, b, offs, _, _ = make_problem([3, 5, 0, 8], 128, 128, device="cuda")
     out = torch.full((16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     ops.moe_grouped_gemm(a, b, offs, out=out)  # warm-up outside the capture
@@ -193,3 +307,36 @@ def test_cuda_graph_replay_with_new_offsets(monkeypatch):
         graph.replay()
         eager = run(a, b, offs, None, None)
         assert torch.equal(out, eager)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("per_act_token,per_out_ch", [(False, False), (True, True)])
+def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch):
+    """The vLLM entry on the kernel, swapped (M_tot <= 64) and plain problem sizes: equal to
+    the CPU definition up to accumulation order, and rows of every group written."""
+    for num_tokens, topk, e, n, k in ((1, 2, 8, 256, 512), (16, 4, 8, 128, 256),
+                                      (33, 2, 64, 512, 128), (300, 8, 128, 256, 384)):
+        g = seeded(num_tokens)
+        topk_ids = torch.stack([torch.randperm(e, generator=g)[:topk]
+                                for _ in range(num_tokens)]).int()
+        args, offs = cutlass_args(topk_ids, n, k, per_act_token, per_out_ch, seed=e,
+                                  num_experts=e)
+        out_cpu = torch.full((args[0].shape[0], n), float("nan"), dtype=torch.bfloat16)
+        ops.cutlass_moe_mm(out_cpu, *args)
+        cuda_args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in args]
+        cuda_args[5] = torch.empty_like(cuda_args[5])  # the device's own problem sizes
+        offsets = torch.empty(e + 1, dtype=torch.int32, device="cuda")
+        ps2 = torch.empty_like(cuda_args[5])
+        rows = topk_ids.numel()
+        a_map = torch.empty(rows, dtype=torch.int32, device="cuda")
+        c_map = torch.empty(rows, dtype=torch.int32, device="cuda")
+        torch.ops.hopper_moe.get_cutlass_moe_mm_data(topk_ids.cuda(), offsets, cuda_args[5],
+                                                     ps2, a_map, c_map, e, n // 2, k, None,
+                                                     True)
+        cuda_args[4] = offsets[:-1]
+        out = torch.full_like(out_cpu, float("nan"), device="cuda")
+        ops.cutlass_moe_mm(out, *cuda_args)
+        torch.testing.assert_close(out.float().cpu(), out_cpu.float(), atol=2e-2, rtol=1e-2)
+        assert not torch.isnan(out.float()).any()
+

@@ -3,6 +3,7 @@
 #include "ops.h"
 
 #include <limits>
+#include <utility>
 
 namespace hopper_moe::check {
 
@@ -68,6 +69,62 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
              "b_scales must have shape [E] (per expert) or [E, N] / [E, N, 1] (per channel) ",
              "with E = ", e, ", N = ", n, ", got ", bs.sizes());
   }
+}
+
+// cutlass_moe_mm (vLLM's schema; row ranges in gemm/cutlass_moe_mm_args.h): out_tensors
+// [M_tot, N] bf16; a_tensors [M_tot, K] e4m3; b_tensors [E, N, K] e4m3 contiguous;
+// a_scales f32 [1] (per_act_token false) or M_tot values; b_scales f32 [E] (per_out_ch false)
+// or [E, N] / [E, N, 1]; expert_offsets int32/int64 [E]; problem_sizes int32 [E, 3];
+// a_strides / b_strides / c_strides int64 [E] (vLLM passes the dense leading dimensions; the
+// kernel reads the strides of the tensors themselves, so their values are not used).
+void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
+                    const at::Tensor& b_tensors, const at::Tensor& a_scales,
+                    const at::Tensor& b_scales, const at::Tensor& expert_offsets,
+                    const at::Tensor& problem_sizes, const at::Tensor& a_strides,
+                    const at::Tensor& b_strides, const at::Tensor& c_strides,
+                    bool per_act_token, bool per_out_ch) {
+  constexpr const char* kOp = "cutlass_moe_mm";
+  check_dtype_named(kOp, a_tensors, "a_tensors", at::kFloat8_e4m3fn);
+  check_dtype_named(kOp, out_tensors, "out_tensors", at::kBFloat16);  // Half: not yet
+  HM_CHECK(kOp, b_tensors.dim() == 3, "b_tensors must be [E, N, K], got ", b_tensors.sizes());
+  const int64_t e = b_tensors.size(0);
+  HM_CHECK(kOp, expert_offsets.dim() == 1 && expert_offsets.numel() == e,
+           "expert_offsets must be [E] = [", e, "] (each expert's first row), got ",
+           expert_offsets.sizes());
+  check_dtype_named(kOp, expert_offsets, "expert_offsets", {at::kInt, at::kLong});
+  check_contiguous_named(kOp, expert_offsets, "expert_offsets");
+  check_same_device_named(kOp, expert_offsets, "expert_offsets", a_tensors, "a_tensors");
+  HM_CHECK(kOp, problem_sizes.dim() == 2 && problem_sizes.size(0) == e &&
+                    problem_sizes.size(1) == 3,
+           "problem_sizes must be [E, 3] = [", e, ", 3], got ", problem_sizes.sizes());
+  check_dtype_named(kOp, problem_sizes, "problem_sizes", at::kInt);
+  check_same_device_named(kOp, problem_sizes, "problem_sizes", a_tensors, "a_tensors");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{a_strides, "a_strides"},
+                                {b_strides, "b_strides"},
+                                {c_strides, "c_strides"}}) {
+    HM_CHECK(kOp, t.dim() == 1 && t.numel() == e, name, " must be [E] = [", e, "], got ",
+             t.sizes());
+    check_dtype_named(kOp, t, name, at::kLong);
+  }
+  check_dtype_named(kOp, b_tensors, "b_tensors", at::kFloat8_e4m3fn);
+  HM_CHECK(kOp, a_tensors.dim() == 2 && a_tensors.size(1) == b_tensors.size(2),
+           "a_tensors must be [M_tot, K] with K = b_tensors.size(2) = ", b_tensors.size(2),
+           ", got ", a_tensors.sizes());
+  const int64_t m = a_tensors.size(0);
+  HM_CHECK(kOp, out_tensors.dim() == 2 && out_tensors.size(0) == m &&
+                    out_tensors.size(1) == b_tensors.size(1),
+           "out_tensors must be [M_tot, N] = [", m, ", ", b_tensors.size(1), "], got ",
+           out_tensors.sizes());
+  check_dtype_named(kOp, a_scales, "a_scales", at::kFloat);
+  check_dtype_named(kOp, b_scales, "b_scales", at::kFloat);
+  HM_CHECK(kOp, a_scales.numel() == (per_act_token ? m : 1),
+           "a_scales must hold ", per_act_token ? "M_tot values (per_act_token)" : "1 value",
+           ", got shape ", a_scales.sizes());
+  const int64_t n = b_tensors.size(1);
+  HM_CHECK(kOp, b_scales.dim() >= 1 && b_scales.size(0) == e &&
+                    b_scales.numel() == (per_out_ch ? e * n : e),
+           "b_scales must be ", per_out_ch ? "[E, N] (per_out_ch)" : "[E]", " with E = ", e,
+           ", N = ", n, ", got ", b_scales.sizes());
 }
 
 }  // namespace hopper_moe::check

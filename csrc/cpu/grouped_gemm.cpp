@@ -8,6 +8,7 @@
 // get_cutlass_moe_mm_data produce them); rows in no range are left untouched, rows in two
 // overlapping ranges are unspecified.
 #include "hopper_moe/common/checks.h"
+#include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -38,6 +39,21 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
     }
     out.slice(0, begin, end).copy_(y.to(out.scalar_type()));
   }
+}
+
+// cutlass_moe_mm: moe_grouped_gemm over the row ranges of gemm/cutlass_moe_mm_args.h.
+void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
+                    const at::Tensor& b_tensors, const at::Tensor& a_scales,
+                    const at::Tensor& b_scales, const at::Tensor& expert_offsets,
+                    const at::Tensor& problem_sizes, const at::Tensor& a_strides,
+                    const at::Tensor& b_strides, const at::Tensor& c_strides,
+                    bool per_act_token, bool per_out_ch) {
+  check::cutlass_moe_mm(out_tensors, a_tensors, b_tensors, a_scales, b_scales, expert_offsets,
+                        problem_sizes, a_strides, b_strides, c_strides, per_act_token,
+                        per_out_ch);
+  const at::Tensor offsets = gemm::cutlass_moe_mm_row_offsets(
+      expert_offsets, problem_sizes, gemm::cutlass_moe_mm_swapped(a_tensors));
+  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales);
 }
 
 }  // namespace hopper_moe::cpu

@@ -1,37 +1,29 @@
 // CUDA launcher of moe_grouped_gemm: the SM90 swap-AB grouped GEMM (csrc/include/hopper_moe/gemm).
-//
-// The kernel is built and its SASS checked (HGMMA / QGMMA, TMA, no local memory), but it has
-// not been validated against the CPU definition on a GPU yet. Until it has, the CUDA op refuses
-// to run unless HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM=1 (the GPU tests set it): no caller can
-// get numbers from it by accident.
+// The kernel is sm_90a code (wgmma, TMA): other GPUs get a clear error instead of a launch
+// failure. Validated on an H200 against the CPU definition and the fp32 reference
+// (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and per-token x per-channel, K = 14336,
+// CUDA-graph replay with new offsets).
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "hopper_moe/common/checks.h"
+#include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
 #include "ops.h"
 
 namespace hopper_moe::cuda {
-
-namespace {
-bool unvalidated_gemm_enabled() {
-  const char* v = std::getenv("HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-}  // namespace
 
 void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& expert_offsets, const OptTensor& a_scales,
                       const OptTensor& b_scales) {
   constexpr const char* kOp = "moe_grouped_gemm";
   check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales);
-  HM_CHECK(kOp, unvalidated_gemm_enabled(),
-           "the SM90 grouped GEMM kernel has not been validated on a GPU yet; set "
-           "HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM=1 to run it (for validation only)");
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(a.device().index());
+  HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
+           "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
+           a.device().index(), " has ", prop->major, ".", prop->minor);
   if (a.size(0) == 0 || b.size(0) == 0 || b.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -59,6 +51,24 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                               ? gemm::moe_gemm_swapab_sm90_bf16(args, stream)
                               : gemm::moe_gemm_swapab_sm90_e4m3(args, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on
+// the device). The kernel always maps the weights to wgmma's 64-row side (swap-AB), so the
+// swapped problem sizes of M_tot <= 64 only decide where the last expert's row count is read.
+void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
+                    const at::Tensor& b_tensors, const at::Tensor& a_scales,
+                    const at::Tensor& b_scales, const at::Tensor& expert_offsets,
+                    const at::Tensor& problem_sizes, const at::Tensor& a_strides,
+                    const at::Tensor& b_strides, const at::Tensor& c_strides,
+                    bool per_act_token, bool per_out_ch) {
+  check::cutlass_moe_mm(out_tensors, a_tensors, b_tensors, a_scales, b_scales, expert_offsets,
+                        problem_sizes, a_strides, b_strides, c_strides, per_act_token,
+                        per_out_ch);
+  const c10::cuda::CUDAGuard guard(a_tensors.device());
+  const at::Tensor offsets = gemm::cutlass_moe_mm_row_offsets(
+      expert_offsets, problem_sizes, gemm::cutlass_moe_mm_swapped(a_tensors));
+  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales);
 }
 
 }  // namespace hopper_moe::cuda

@@ -228,6 +228,20 @@ def cutlass_group_gemm_supported(cuda_device_capability: int) -> bool:
 
 
 # ------------------------------------------------------------------------- grouped GEMM
+def cutlass_moe_mm(out_tensors: torch.Tensor, a_tensors: torch.Tensor, b_tensors: torch.Tensor,
+                   a_scales: torch.Tensor, b_scales: torch.Tensor, expert_offsets: torch.Tensor,
+                   problem_sizes: torch.Tensor, a_strides: torch.Tensor, b_strides: torch.Tensor,
+                   c_strides: torch.Tensor, per_act_token: bool, per_out_ch: bool) -> None:
+    """FP8 grouped GEMM with vLLM's arguments: for each expert e, out_tensors rows
+    [expert_offsets[e], expert_offsets[e+1]) (the last group ends after its problem size's
+    row count, read swapped when M_tot <= 64) = a_scale * b_scale * a_tensors . b_tensors[e]^T.
+    a e4m3 [M_tot, K], b e4m3 [E, N, K], out bf16 [M_tot, N]. Runs the SM90 kernel of
+    moe_grouped_gemm on CUDA."""
+    _ops.cutlass_moe_mm(out_tensors, a_tensors, b_tensors, a_scales, b_scales, expert_offsets,
+                        problem_sizes, a_strides, b_strides, c_strides, per_act_token,
+                        per_out_ch)
+
+
 def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
                      a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,8 +250,7 @@ def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Ten
     a [M, K] bf16 or fp8 e4m3 (rows grouped by expert), b [E, N, K] (a's dtype),
     expert_offsets int64 [E + 1]; fp8 needs a_scales f32 ([1] or [M]) and b_scales f32
     ([E] or [E, N]). Returns out [M, N] bf16 (rows outside every expert are not written).
-    On CUDA the SM90 kernel runs only with HOPPER_MOE_ENABLE_UNVALIDATED_SM90_GEMM=1 until it
-    has been validated on a GPU."""
+    On CUDA it runs the SM90 swap-AB kernel (H100/H200 only; other GPUs get a RuntimeError)."""
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
     _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales)

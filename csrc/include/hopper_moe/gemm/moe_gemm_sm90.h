@@ -9,8 +9,9 @@
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
 //
-// Status: compiled for sm_90a (csrc/instantiations/), not yet validated on a GPU and not yet
-// reachable from any op; cutlass_group_gemm_supported() answers false until it is.
+// Status: compiled for sm_90a (csrc/instantiations/) and validated on an H200 through the op
+// moe_grouped_gemm (tests/test_grouped_gemm.py); not yet behind cutlass_moe_mm, so
+// cutlass_group_gemm_supported() answers false.
 #pragma once
 
 #include <cuda_runtime.h>
