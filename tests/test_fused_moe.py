@@ -156,11 +156,54 @@ def reference(p: Problem, precision_of: Optional[Problem] = None):
 REL_NORM_FP32 = {"bf16": 0.01, "fp8_tensor": 0.05, "fp8_channel": 0.05, "fp8_block": 0.05}
 
 
+# FP8 layers requantize the SiLU*mul output. Two correct computations whose GEMM1 outputs differ
+# by one bf16 rounding (another accumulation order: a GPU GEMM against the CPU reference) can
+# round an intermediate element to neighbouring FP8 codes, one step = up to 1/16 of that row's
+# amax, and that step reaches every output of the token through a column of w2. On unit-scale
+# data with top-1 routing (nothing averages it) one such step can exceed the OPS.md absolute
+# tolerance: on the CPU, a relative perturbation of 2^-13 of GEMM1's output (below one bf16
+# step; test_requant_allowance_...) puts 1-3 elements up to 1.16x over it, and on the H200 the
+# torch backend (torch._scaled_grouped_mm) had 7 of 2176 elements up to 1.3x over it.
+# So against a reference computed elsewhere an FP8 result may have a few elements up to
+# REQUANT_SLACK x the tolerance, at most REQUANT_MAX_FRACTION of them; a wrong scale, row or
+# expert moves far more elements or moves them further, and the norm checks stay strict.
+REQUANT_SLACK = 2.0
+REQUANT_MAX_FRACTION = 0.01
+
+
+def check_close_requant(out, ref, scheme, what=""):
+    """check_close for results computed on another device than `ref` (see above); bf16 has no
+    requantization and is held to check_close."""
+    if base_scheme(scheme) == "bf16":
+        return check_close(out, ref, scheme, what)
+    atol, rtol = TOL[base_scheme(scheme)]
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    o, r = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(o).all(), f"non-finite output {what}"
+    if not r.numel():
+        return
+    diff, tol = (o - r).abs(), atol + rtol * r.abs()
+    worst = (diff / tol).max().item()
+    over = int((diff > tol).sum())
+    assert worst <= REQUANT_SLACK, (
+        f"{what}: max |out - ref| = {diff.max().item():.4f} is {worst:.2f}x the tolerance "
+        f"(allowed {REQUANT_SLACK}x for requantization steps)")
+    assert over <= max(2, REQUANT_MAX_FRACTION * r.numel()), (
+        f"{what}: {over} of {r.numel()} elements over the tolerance (max |diff| "
+        f"{diff.max().item():.4f}); requantization steps explain at most "
+        f"{REQUANT_MAX_FRACTION:.0%}")
+    if r.abs().max() > 0:
+        assert o.abs().max() > 0, f"output all zeros {what}"
+        ratio = o.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()
+        assert 0.9 < ratio < 1.1, f"rms ratio {ratio:.3f} {what}"
+
+
 def check_gpu_result(p_cpu: Problem, out: torch.Tensor, scheme: str, what: str = ""):
-    """A CUDA result against the reference of the backend's precision (OPS.md tolerances) and
-    against the pure fp32 reference (relative norm)."""
+    """A CUDA result against the reference of the backend's precision (OPS.md tolerances, with
+    the requantization allowance of check_close_requant) and against the pure fp32 reference
+    (relative norm)."""
     p_gpu = p_cpu.to("cuda")
-    check_close(out, reference(p_cpu, precision_of=p_gpu), scheme, what)
+    check_close_requant(out, reference(p_cpu, precision_of=p_gpu), scheme, what)
     ref32 = reference(p_cpu).float()
     if ref32.numel() and ref32.norm() > 0:
         rel = ((out.float().cpu() - ref32).norm() / ref32.norm()).item()
@@ -435,7 +478,7 @@ def test_deterministic():
 def test_available_backends_and_auto():
     # Triton runs on the CPU only inside its interpreter (conftest turns it on without a GPU).
     cpu = ["torch", "reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
-                                    else [])
+                                    else []) + ["cute"]
     assert fm.available_backends("cpu") == cpu
     assert fm.available_backends(torch.device("cpu")) == cpu
     p = make_problem(5, 4, 2, 128, 128, scheme="fp8_block", seed=3)
@@ -443,8 +486,9 @@ def test_available_backends_and_auto():
     assert torch.equal(run(p, backend="reference"), reference(p))
 
 
-@pytest.mark.parametrize("name", ["cute"])
-def test_unbuilt_backend_raises(name):
+@pytest.mark.parametrize("name", ["cute", "triton"])
+def test_unregistered_backend_raises(name, monkeypatch):
+    monkeypatch.setattr(fm, "_BACKENDS", {k: v for k, v in fm._BACKENDS.items() if k != name})
     p = make_problem(3, 4, 2, 128, 128)
     with pytest.raises(RuntimeError, match=f"backend '{name}' is not available in this build"):
         run(p, backend=name)
@@ -488,6 +532,9 @@ def test_oracle_choose_backend():
         for dev in ("cpu", "cuda"):
             for m in (1, 64, 4096):
                 assert choose(dev, scheme, m, ["torch", "reference"]) == "torch"
+                # The measured H200 rows (oracle's docstring): Triton on CUDA except block FP8.
+                want = "triton" if dev == "cuda" and scheme != "fp8_block" else "torch"
+                assert choose(dev, scheme, m, ["torch", "reference", "triton", "cute"]) == want
 
 
 # -------------------------------------------------------------------------- QuantConfig / helpers
@@ -795,6 +842,54 @@ def test_fuzz_cpu():
     _fuzz(range(1000, 1240), "cpu")
 
 
+# ------------------------------------------------------------------ the requantization allowance
+def _perturbed_gemm1_layer(p: Problem, rel_noise: float, seed: int = 0) -> torch.Tensor:
+    """The torch backend's CPU layer with GEMM1's output perturbed by a relative `rel_noise`
+    (another accumulation order, emulated) before its bf16 rounding."""
+    g = seeded(seed)
+    real = fm._expert_gemm
+    calls = []
+
+    def gemm(a, a_scale, w, w_scale, quant, plan, offs, sorted_key):
+        h = real(a, a_scale, w, w_scale, quant, plan, offs, sorted_key)
+        calls.append(1)
+        if len(calls) == 1:
+            h = h * (1 + rel_noise * torch.randn(h.shape, generator=g))
+        return h
+
+    fm._expert_gemm = gemm
+    try:
+        out = run(p)
+    finally:
+        fm._expert_gemm = real
+    assert len(calls) == 2
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["fp8_channel", "fp8_block", "fp8_tensor_dynamic"])
+def test_requant_allowance_accepts_rounding_and_rejects_errors(scheme, monkeypatch):
+    """GEMM1 perturbed below one bf16 step (the bf16 precision model on the CPU): passes
+    check_close_requant. A wrong scale on one token row or one expert, or a zeroed row, fails."""
+    monkeypatch.setattr(fm, "_compute_dtype", lambda dtype, device: torch.bfloat16)
+    p = make_problem(130, 1, 1, 256, 384, scheme=scheme, seed=3)
+    ref = reference(p, precision_of=p)
+    out = _perturbed_gemm1_layer(p, 2.0 ** -13)
+    assert not torch.equal(out, ref)  # the perturbation flipped something
+    check_close_requant(out, ref, scheme, "perturbed GEMM1")
+    check_close_requant(run(p), ref, scheme, "unperturbed")
+    for name, bad in (("row x1.5", out.clone().index_put_((torch.tensor([7]),), out[7] * 1.5)),
+                      ("row zeroed", out.clone().index_fill_(0, torch.tensor([7]), 0.0)),
+                      ("all x1.15", out * 1.15)):
+        with pytest.raises(AssertionError):
+            check_close_requant(bad, ref, scheme, name)
+    q = make_problem(64, 8, 2, 256, 128, scheme=scheme, seed=4)
+    ref_q = reference(q, precision_of=q)
+    wrong = replace(q, quant=replace(q.quant, w2_scale=q.quant.w2_scale.clone()))
+    wrong.quant.w2_scale[3] *= 1.5  # expert 3's output 50% too large
+    with pytest.raises(AssertionError):
+        check_close_requant(run(wrong), ref_q, scheme, "one expert's scale")
+
+
 # -------------------------------------------------------------------------------- precision model
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_precision_model_emulated_on_cpu(scheme, monkeypatch):
@@ -845,8 +940,9 @@ def test_gpu_torch_backend(scheme, m, e, topk, h, i):
     # the reference itself gives the same numbers on both devices
     pg = p.to("cuda")
     prec = fm.torch_backend_precision(pg.x, pg.w1, pg.w2, pg.quant)
-    check_close(fused_experts_ref(*pg.args(), **pg.kwargs(), **prec),
-                fused_experts_ref(*p.args(), **p.kwargs(), **prec), scheme, "ref cuda vs cpu")
+    check_close_requant(fused_experts_ref(*pg.args(), **pg.kwargs(), **prec),
+                        fused_experts_ref(*p.args(), **p.kwargs(), **prec), scheme,
+                        "ref cuda vs cpu")
 
 
 @gpu
@@ -899,15 +995,19 @@ def test_gpu_bad_inputs_device_mismatch():
 
 
 @gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "cute"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_gpu_cuda_graph_replay(scheme):
+def test_gpu_cuda_graph_replay(scheme, backend):
     """Captured once; replays with new data and new routing (changed per-expert counts)."""
+    if backend == "cute" and (scheme == "fp8_block" or "cute" not in fm.available_backends(
+            "cuda")):
+        pytest.skip("the cute backend: SM90 only, no block FP8 yet")
     p = make_problem(64, 8, 2, 256, 128, scheme=scheme, seed=90).to("cuda")
     static = [t.clone() for t in (p.x, p.topk_weights, p.topk_ids)]
     kw = p.kwargs()
 
     def layer():
-        return fused_experts(static[0], p.w1, p.w2, static[1], static[2], **kw, backend="torch")
+        return fused_experts(static[0], p.w1, p.w2, static[1], static[2], **kw, backend=backend)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -14,8 +14,10 @@ from . import ops, reference
 from . import triton as _triton_backend
 from .fused_moe import fused_experts, fused_moe, fused_topk, register_backend
 from .quant import QuantConfig
+from . import cute as _cute_backend  # noqa: E402  (needs fused_moe)
 
 register_backend("triton", _triton_backend.run, _triton_backend.is_available)
+register_backend("cute", _cute_backend.run, _cute_backend.is_available)
 
 __version__ = "0.1.0"
 

@@ -428,18 +428,15 @@ def _expert_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
     return _grouped_gemm(a_deq, w_deq, offs, sorted_key)
 
 
-def _torch_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids,
-                         apply_router_weight_on_input, global_num_experts, expert_map, quant):
-    """The "torch" backend (see the module docstring). Shapes static in M; no host sync on
-    the grouped-GEMM paths."""
-    num_tokens, hidden_size = hidden_states.shape
-    num_experts, intermediate_size = w1.shape[0], w2.shape[2]
-    topk = topk_ids.shape[1]
-    num_slots = num_tokens * topk
-    device = hidden_states.device
-    plan = _torch_plan(hidden_states, w1, w2, quant)
+def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, global_num_experts: int,
+                         expert_map: Optional[torch.Tensor]):
+    """Slots (token, k) in local-expert order, on the device, with no host sync.
 
-    # Local expert of every slot; slots that do not count get key num_experts (sorted last).
+    Returns ``(order, sorted_key, sorted_valid, offs)``: ``order`` [S] int64 slot indices
+    sorted by local expert (stable); ``sorted_key`` their local expert, ``num_experts`` for
+    slots that do not count (id outside [0, global_num_experts) or expert_map -1), which sort
+    last; ``sorted_valid`` [S, 1] bool; ``offs`` int32 [E] end row of each expert's rows."""
+    num_slots = topk_ids.numel()
     ids = topk_ids.reshape(num_slots).long()
     valid = (ids >= 0) & (ids < global_num_experts)
     local = torch.where(valid, ids, 0)
@@ -450,8 +447,21 @@ def _torch_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids,
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     sorted_valid = (sorted_key < num_experts).unsqueeze(1)
-    experts = torch.arange(num_experts, device=device, dtype=sorted_key.dtype)
+    experts = torch.arange(num_experts, device=topk_ids.device, dtype=sorted_key.dtype)
     offs = torch.searchsorted(sorted_key, experts, right=True).to(torch.int32)
+    return order, sorted_key, sorted_valid, offs
+
+
+def _torch_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids,
+                         apply_router_weight_on_input, global_num_experts, expert_map, quant):
+    """The "torch" backend (see the module docstring). Shapes static in M; no host sync on
+    the grouped-GEMM paths."""
+    num_experts, intermediate_size = w1.shape[0], w2.shape[2]
+    topk = topk_ids.shape[1]
+    plan = _torch_plan(hidden_states, w1, w2, quant)
+
+    order, sorted_key, sorted_valid, offs = sort_slots_by_expert(
+        topk_ids, num_experts, global_num_experts, expert_map)
     token_of_slot = order // topk
 
     x = hidden_states.float() if quant is not None else hidden_states
@@ -485,17 +495,27 @@ def _torch_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids,
     y = _expert_gemm(a2, a2_scale, w2, None if quant is None else quant.w2_scale, quant, plan,
                      offs, sorted_key)
 
+    return combine_sorted_slots(y, order, sorted_valid, topk_weights,
+                                apply_router_weight_on_input).to(hidden_states.dtype)
+
+
+def combine_sorted_slots(y: torch.Tensor, order: torch.Tensor, sorted_valid: torch.Tensor,
+                         topk_weights: torch.Tensor,
+                         apply_router_weight_on_input: bool) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * y[slot (t, k)]`` in fp32 ([M, H]), for y [S, H] in the
+    order of sort_slots_by_expert; rows of slots that do not count are ignored (they may hold
+    anything), and with apply_router_weight_on_input the weight is 1 (already applied)."""
+    num_tokens, topk = topk_weights.shape
+    num_slots = num_tokens * topk
     if apply_router_weight_on_input:
-        slot_weight = torch.ones(num_slots, 1, dtype=torch.float32, device=device)
+        slot_weight = torch.ones(num_slots, 1, dtype=torch.float32, device=y.device)
     else:
         slot_weight = topk_weights.reshape(num_slots)[order].float().unsqueeze(1)
     y = torch.where(sorted_valid, y.float(), 0.0) * torch.where(sorted_valid, slot_weight, 0.0)
-
     # Back to (token, k) order, then the fp32 sum over k.
-    slots = torch.arange(num_slots, device=device, dtype=order.dtype)
+    slots = torch.arange(num_slots, device=y.device, dtype=order.dtype)
     inverse = torch.empty_like(order).scatter_(0, order, slots)
-    out = y[inverse].reshape(num_tokens, topk, hidden_size).sum(dim=1)
-    return out.to(hidden_states.dtype)
+    return y[inverse].reshape(num_tokens, topk, y.shape[1]).sum(dim=1)
 
 
 def _reference_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids,
@@ -517,6 +537,18 @@ _BACKENDS: dict[str, _Backend] = {
     "torch": _Backend(_torch_fused_experts, lambda device_type: True),
     "reference": _Backend(_reference_fused_experts, lambda device_type: True),
 }
+
+
+def make_gemm_only(backend: str, hidden_states: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   quant: Optional[QuantConfig] = None) -> Callable[[], object]:
+    """For GEMM-only benchmarks: a zero-argument callable running GEMM1 + GEMM2 of `backend`
+    on operands prepared once. Backends without one raise NotImplementedError."""
+    if backend == "cute":
+        from . import cute
+
+        return cute.make_gemm_only(hidden_states, w1, w2, topk_weights, topk_ids, quant)
+    raise NotImplementedError(f"no GEMM-only entry for backend {backend!r}")
 
 
 def register_backend(name: str, run: Callable[..., torch.Tensor],
