@@ -2,7 +2,8 @@
 # One call on a GPU machine: build, GPU test suite, benchmarks, sanitizer; logs under $OUT.
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
-#   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|sanitize|cmake ...]   (default: all)
+#   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|tune|sanitize|cmake ...]
+#   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hopper_moe_out}
@@ -46,6 +47,17 @@ for step in $steps; do
       python3 benchmarks/bench_moe.py ${BENCH_ARGS:---shapes ${BENCH_SHAPES:-mixtral,qwen3_30b} --plot} \
         --out $res 2>&1 | tee "$OUT/bench_moe.log" | tail -60
       tar czf "$OUT/results.tgz" -C $res . ;;
+    tune)
+      # Tuned Triton tables (hopper_moe.tune, quick space) for TUNE_SHAPES x TUNE_DTYPES, into
+      # one archive (copy its files to python/hopper_moe/configs/ to ship them).
+      cfg=/tmp/hopper_moe_configs; mkdir -p $cfg
+      for shape in ${TUNE_SHAPES:-mixtral qwen3_30b}; do
+        for dtype in ${TUNE_DTYPES:-bf16 fp8_tensor}; do
+          python3 -m hopper_moe.tune --shape $shape --dtype $dtype --space ${TUNE_SPACE:-quick} \
+            --out $cfg --resume 2>"$OUT/tune_progress.log" | tee -a "$OUT/tune.log" | tail -3
+        done
+      done
+      tar czf "$OUT/configs.tgz" -C $cfg . ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool python3 tools/sanitize_ops.py \
