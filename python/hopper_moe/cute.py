@@ -1,7 +1,8 @@
 """The "cute" backend of fused_experts: the layer around hopper_moe's SM90 grouped GEMM.
 
-    sort slots by expert -> (FP8 quant of x) -> gather rows -> GEMM1 (moe_grouped_gemm) ->
-    SiLU*mul (+ FP8 quant) -> GEMM2 (moe_grouped_gemm) -> weighted sum over k
+    (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
+    GEMM1 (moe_grouped_gemm) -> SiLU*mul (+ FP8 quant) -> GEMM2 (moe_grouped_gemm) ->
+    moe_unpermute (weighted sum over k)
 
 Both GEMMs are ``torch.ops.hopper_moe.moe_grouped_gemm``: on CUDA the hand-written swap-AB
 wgmma kernel (csrc/include/hopper_moe/gemm), on the CPU its readable definition, so the
@@ -11,18 +12,19 @@ weights. Block-wise [128,128] FP8 is not in the kernel yet: ``backend="triton"``
 
 Precision model (what tests compare against): GEMM outputs in bf16, the SiLU*mul output in
 bf16 (except a static per-tensor a2 scale, which silu_and_mul_quant applies without storing
-it), the weighted sum over k in fp32. No host synchronization: the slot order and the expert
-row offsets stay on the device, so a layer can be captured in a CUDA graph.
+it), the weighted sum over k in fp32 rounded once to bf16 (then to the input's dtype). No host
+synchronization: the slot order and the expert row offsets stay on the device, so a layer can
+be captured in a CUDA graph.
 
-Not yet fused: the slot sort, the row gather and the final sum are PyTorch ops (a few small
-launches per layer); moving them into the GEMM's prologue and epilogue is the next step.
+Not yet fused: quantization, permutation, SiLU*mul and the final sum are separate launches
+(hopper_moe's ops; ~7 per layer around the two GEMMs); moving them into the GEMM's prologue
+and epilogue is the next step.
 """
 from __future__ import annotations
 
 import torch
 
 from . import ops
-from .fused_moe import combine_sorted_slots, sort_slots_by_expert
 
 _GEMM = torch.ops.hopper_moe.moe_grouped_gemm.default
 
@@ -73,27 +75,28 @@ def _weight_scales(scale: torch.Tensor, w: torch.Tensor, quant) -> torch.Tensor:
     return scale.float().reshape(shape).contiguous()
 
 
-def _sorted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
-                           apply_router_weight_on_input, global_num_experts, expert_map, quant):
-    """Slots sorted by expert and GEMM1's operands: (order, sorted_valid, offsets int64
-    [E + 1], a1 [S, H] bf16 or fp8 in slot order, its scale, w1 in the GEMM's dtype, w1's
-    scale)."""
-    num_experts = w1.shape[0]
-    order, _, sorted_valid, offs_end = sort_slots_by_expert(
-        topk_ids, num_experts, global_num_experts, expert_map)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=hidden_states.device)
-    offsets[1:] = offs_end
-    token_of_slot = order // topk_ids.shape[1]
+def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
+                             apply_router_weight_on_input, global_num_experts, expert_map,
+                             quant):
+    """x (quantized first: each token once) gathered into expert order by moe_permute, and
+    GEMM1's other operands: (a1 [S, H], its scale, expert offsets int64 [E + 1],
+    inv_permuted_idx, w1 in the GEMM's dtype, w1's scale). Slots that do not count (ids out
+    of range, non-local experts) sort after offsets[E], where no GEMM reads or writes."""
     x = hidden_states
     if apply_router_weight_on_input:
         x = x.float() * topk_weights.float()  # [M, 1]: topk == 1
     if quant is None:
-        return (order, sorted_valid, offsets, x.to(torch.bfloat16)[token_of_slot], None,
-                w1.to(torch.bfloat16).contiguous(), None)
-    q, s = _act_quant(x.float(), quant, quant.a1_scale)
-    a1_scale = s if s.numel() == 1 else s[token_of_slot].contiguous()
-    return (order, sorted_valid, offsets, q[token_of_slot], a1_scale, w1.contiguous(),
-            _weight_scales(quant.w1_scale, w1, quant))
+        xq, x_scale, w1g, w1_scale = x.to(torch.bfloat16), None, w1.to(torch.bfloat16), None
+    else:
+        xq, x_scale = _act_quant(x.float(), quant, quant.a1_scale)
+        w1g, w1_scale = w1, _weight_scales(quant.w1_scale, w1, quant)
+    if expert_map is not None and expert_map.dtype != torch.int32:
+        expert_map = expert_map.to(torch.int32)
+    a1, a1_scale, offsets, inv_idx, _ = ops.moe_permute(
+        xq, x_scale, topk_ids, global_num_experts, w1.shape[0], expert_map)
+    if a1_scale is not None and a1_scale.numel() != 1:
+        a1_scale = a1_scale.contiguous()  # per token: permuted with the rows
+    return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
 def _gemm2_operands(h, w2, quant):
@@ -117,18 +120,24 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     """Arguments as ``hopper_moe.fused_experts`` after its validation (M > 0,
     global_num_experts resolved)."""
     _check_supported(hidden_states, w1, w2, quant)
-    order, sorted_valid, offsets, a1, a1_scale, w1g, w1_scale = _sorted_gemm1_operands(
+    a1, a1_scale, offsets, inv_idx, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input,
         global_num_experts, expert_map, quant)
-    # Rows of slots that do not count (sorted last, past offsets[E]) are not written by the
-    # GEMM: zeros keep them finite and out of a dynamic per-tensor amax.
-    h = torch.zeros((order.numel(), w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
+    num_slots = a1.shape[0]
+    # Rows past offsets[E] (slots that do not count) are not written by the GEMM: zeros keep
+    # them finite and out of a dynamic per-tensor amax.
+    h = torch.zeros((num_slots, w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
     _GEMM(h, a1, w1g, offsets, a1_scale, w1_scale)
     a2, a2_scale, w2g, w2_scale = _gemm2_operands(h, w2, quant)
-    y = torch.empty((order.numel(), w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
+    y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale)
-    return combine_sorted_slots(y, order, sorted_valid, topk_weights,
-                                apply_router_weight_on_input).to(hidden_states.dtype)
+    # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
+    weights = torch.ones_like(topk_weights, dtype=torch.float32) \
+        if apply_router_weight_on_input else topk_weights.float().contiguous()
+    out = torch.empty((hidden_states.shape[0], w2.shape[1]), dtype=torch.bfloat16,
+                      device=a1.device)
+    ops.moe_unpermute(out, y, weights, inv_idx, offsets)
+    return out.to(hidden_states.dtype)
 
 
 def run(*args, **kwargs) -> torch.Tensor:
@@ -138,13 +147,13 @@ def run(*args, **kwargs) -> torch.Tensor:
 def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, quant=None):
     """A zero-argument callable that runs this backend's GEMM1 and GEMM2 only, on operands
-    prepared here once (slots sorted, activations quantized, GEMM2's input from one real
+    prepared here once (slots permuted, activations quantized, GEMM2's input from one real
     pass), for GEMM-only benchmarks. Returns (h, y), the two GEMM outputs."""
     _check_supported(hidden_states, w1, w2, quant)
-    order, _, offsets, a1, a1_scale, w1g, w1_scale = _sorted_gemm1_operands(
+    a1, a1_scale, offsets, _, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, False, w1.shape[0], None, quant)
-    h = torch.zeros((order.numel(), w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    y = torch.empty((order.numel(), w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
+    h = torch.zeros((a1.shape[0], w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
+    y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     _GEMM(h, a1, w1g, offsets, a1_scale, w1_scale)
     a2, a2_scale, w2g, w2_scale = _gemm2_operands(h, w2, quant)
 
