@@ -38,9 +38,8 @@ for step in $steps; do
       [ "$?" -eq 0 ] || rc=1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
     bench)
-      # One device command has 10 minutes: the default is the two decode-critical shapes;
-      # BENCH_SHAPES=... selects others (see benchmarks/README.md).
-      # Results go to one archive: at most 8 files come back from a device command.
+      # The default is the two decode-critical shapes (a few minutes); BENCH_SHAPES=...
+      # selects others (see benchmarks/README.md). Results go to one archive.
       res=/tmp/hopper_moe_results; mkdir -p $res
       # BENCH_OPS=0 skips the ops benchmark; BENCH_ARGS replaces bench_moe's arguments.
       [ "${BENCH_OPS:-1}" = 0 ] || python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
