@@ -4,7 +4,9 @@
 
 Every allocation is exact-size (no caching allocator), so an access one element past a buffer
 is caught. Shapes: 0, 1 and 3 tokens, a tile +- 1, experts with no tokens, all tokens on one
-expert, ids out of range and expert_map -1 entries, NaN/inf router logits.
+expert, ids out of range and expert_map -1 entries, NaN/inf router logits; on an SM90 GPU the
+grouped GEMM (moe_grouped_gemm, cutlass_moe_mm) with N/K tails and ragged experts, and the cute
+layer.
 """
 from __future__ import annotations
 
@@ -76,6 +78,27 @@ def layer_ops(T, E, K, H, I, expert_map=None, **kw):
     torch.cuda.synchronize()
 
 
+def gemm_ops(counts, n, k):
+    """moe_grouped_gemm (bf16; FP8 per-token x per-channel) with these rows per expert, then
+    cutlass_moe_mm on the same rows: N and K tails, empty experts, one expert with every row."""
+    e, m = len(counts), sum(counts)
+    offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(dev)
+    a, b = randn(m, k), randn(e, n, k)
+    ops.moe_grouped_gemm(a, b, offs)
+    fp8 = torch.float8_e4m3fn
+    aq, bq = a.to(fp8), b.to(fp8)
+    sa = torch.rand(m, 1, device=dev, generator=g) + 0.5
+    sb = torch.rand(e, n, device=dev, generator=g) + 0.5
+    ops.moe_grouped_gemm(aq, bq, offs, sa, sb)
+    sizes = torch.tensor([[c, n, k] if m > 64 else [n, c, k] for c in counts],
+                         dtype=torch.int32, device=dev)
+    strides = torch.full((e,), k, dtype=torch.int64, device=dev)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    ops.cutlass_moe_mm(out, aq, bq, sa, sb, offs[:-1], sizes, strides, strides,
+                       torch.full((e,), n, dtype=torch.int64, device=dev), True, True)
+    torch.cuda.synchronize()
+
+
 def main():
     cases = [
         dict(T=0, E=8, K=2, H=128, I=64),
@@ -93,6 +116,18 @@ def main():
         layer_ops(**c)
         print("ok", {k: v for k, v in c.items() if k != "expert_map"},
               "expert_map" if "expert_map" in c else "")
+    if torch.cuda.get_device_capability() == (9, 0):  # the grouped GEMM is sm_90a code
+        for counts, n, k in (([1], 64, 64), ([0, 5, 0, 3], 72, 176), ([0, 0, 70], 200, 144),
+                             ([2] * 40, 128, 256)):
+            gemm_ops(counts, n, k)
+            print("ok grouped gemm", dict(experts=len(counts), rows=sum(counts), n=n, k=k))
+        for T, E, K in ((1, 8, 2), (40, 16, 4)):
+            x = randn(T, 256)
+            w1, w2 = randn(E, 256, 256) / 16, randn(E, 256, 128) / 16
+            ids = torch.randint(0, E, (T, K), device=dev, dtype=torch.int32)
+            hopper_moe.fused_experts(x, w1, w2, torch.rand(T, K, device=dev), ids,
+                                     backend="cute")
+            print("ok cute layer", dict(T=T, E=E, K=K))
     assert hopper_moe.built_with_cuda()
 
 
