@@ -124,13 +124,18 @@ def make_problem(m, e, topk, h, i, scheme="bf16", dtype=torch.bfloat16, seed=0,
                    global_num_experts, on_input)
 
 
-def check_close(out, ref, scheme, what=""):
-    """OPS.md tolerance, plus: output written everywhere, not all zero, RMS ratio ~ 1."""
+def check_close(out, ref, scheme, what="", requant_steps=False):
+    """OPS.md tolerance, plus: output written everywhere, not all zero, RMS ratio ~ 1.
+    requant_steps: FP8 results computed on another device than `ref` may hold a few
+    requantization steps (REQUANT_SLACK, REQUANT_MAX_FRACTION below)."""
     atol, rtol = TOL[base_scheme(scheme)]
     assert out.shape == ref.shape and out.dtype == ref.dtype, what
     o, r = out.float().cpu(), ref.float().cpu()
     assert torch.isfinite(o).all(), f"non-finite output {what}"
-    torch.testing.assert_close(o, r, atol=atol, rtol=rtol, msg=lambda s: f"{what}\n{s}")
+    if requant_steps and base_scheme(scheme) != "bf16":
+        _check_requant_steps(o, r, atol, rtol, what)
+    else:
+        torch.testing.assert_close(o, r, atol=atol, rtol=rtol, msg=lambda s: f"{what}\n{s}")
     if r.numel() and r.abs().max() > 0:
         assert o.abs().max() > 0, f"output all zeros {what}"
         ratio = o.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()
@@ -171,15 +176,7 @@ REQUANT_SLACK = 2.0
 REQUANT_MAX_FRACTION = 0.01
 
 
-def check_close_requant(out, ref, scheme, what=""):
-    """check_close for results computed on another device than `ref` (see above); bf16 has no
-    requantization and is held to check_close."""
-    if base_scheme(scheme) == "bf16":
-        return check_close(out, ref, scheme, what)
-    atol, rtol = TOL[base_scheme(scheme)]
-    assert out.shape == ref.shape and out.dtype == ref.dtype, what
-    o, r = out.float().cpu(), ref.float().cpu()
-    assert torch.isfinite(o).all(), f"non-finite output {what}"
+def _check_requant_steps(o, r, atol, rtol, what):
     if not r.numel():
         return
     diff, tol = (o - r).abs(), atol + rtol * r.abs()
@@ -192,10 +189,12 @@ def check_close_requant(out, ref, scheme, what=""):
         f"{what}: {over} of {r.numel()} elements over the tolerance (max |diff| "
         f"{diff.max().item():.4f}); requantization steps explain at most "
         f"{REQUANT_MAX_FRACTION:.0%}")
-    if r.abs().max() > 0:
-        assert o.abs().max() > 0, f"output all zeros {what}"
-        ratio = o.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()
-        assert 0.9 < ratio < 1.1, f"rms ratio {ratio:.3f} {what}"
+
+
+def check_close_requant(out, ref, scheme, what=""):
+    """check_close for results computed on another device than `ref` (see above); bf16 has no
+    requantization and is held to the plain tolerance."""
+    check_close(out, ref, scheme, what, requant_steps=True)
 
 
 def check_gpu_result(p_cpu: Problem, out: torch.Tensor, scheme: str, what: str = ""):

@@ -92,10 +92,9 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
         w1g, w1_scale = w1, _weight_scales(quant.w1_scale, w1, quant)
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)
+    # A per-token scale [M, 1] comes back permuted with the rows ([S, 1]).
     a1, a1_scale, offsets, inv_idx, _ = ops.moe_permute(
         xq, x_scale, topk_ids, global_num_experts, w1.shape[0], expert_map)
-    if a1_scale is not None and a1_scale.numel() != 1:
-        a1_scale = a1_scale.contiguous()  # per token: permuted with the rows
     return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
@@ -108,8 +107,6 @@ def _gemm2_operands(h, w2, quant):
         a2_scale = quant.a2_scale.float().reshape(1)
     else:
         a2, a2_scale = _act_quant(ops.silu_and_mul(None, h), quant, None)
-        if a2_scale.numel() != 1:
-            a2_scale = a2_scale.contiguous()
     return a2, a2_scale, w2.contiguous(), _weight_scales(quant.w2_scale, w2, quant)
 
 

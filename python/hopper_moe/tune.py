@@ -141,9 +141,7 @@ def quick_configs() -> list[dict]:
              (64, 256, 64, 8, False, False, 8, 3), (128, 128, 64, 8, False, False, 8, 3),
              (128, 128, 128, 8, False, False, 8, 3), (128, 256, 64, 16, False, False, 8, 3),
              (128, 256, 64, 16, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 3)]
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "ONE_SLOT_PER_BLOCK",
-            "num_warps", "num_stages")
-    return [dict(zip(keys, r)) for r in rows]
+    return [dict(zip(CONFIG_KEYS, r)) for r in rows]
 
 
 SPACES = {"full": all_configs, "quick": quick_configs}
