@@ -28,7 +28,15 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 gpu = pytest.mark.gpu
 
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest-xdist: share the cores between the workers (each CPU reference would otherwise
+    # start one thread per core in every worker).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
 def pytest_collection_modifyitems(config, items):
+    # The long fuzz tests go first, so parallel workers do not end on them one by one.
+    items.sort(key=lambda item: "fuzz" not in item.name)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of hopper_moe")

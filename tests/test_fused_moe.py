@@ -126,8 +126,9 @@ def make_problem(m, e, topk, h, i, scheme="bf16", dtype=torch.bfloat16, seed=0,
 
 def check_close(out, ref, scheme, what="", requant_steps=False):
     """OPS.md tolerance, plus: output written everywhere, not all zero, RMS ratio ~ 1.
-    requant_steps: FP8 results computed on another device than `ref` may hold a few
-    requantization steps (REQUANT_SLACK, REQUANT_MAX_FRACTION below)."""
+    requant_steps: a result computed on another device than `ref` (another accumulation
+    order) may hold a few rounding steps (CROSS_DEVICE_BF16_RTOL, REQUANT_SLACK,
+    REQUANT_MAX_FRACTION below)."""
     atol, rtol = TOL[base_scheme(scheme)]
     assert out.shape == ref.shape and out.dtype == ref.dtype, what
     o, r = out.float().cpu(), ref.float().cpu()
@@ -135,6 +136,8 @@ def check_close(out, ref, scheme, what="", requant_steps=False):
     if requant_steps and base_scheme(scheme) != "bf16":
         _check_requant_steps(o, r, atol, rtol, what)
     else:
+        if requant_steps:
+            rtol = rtol + CROSS_DEVICE_BF16_RTOL
         torch.testing.assert_close(o, r, atol=atol, rtol=rtol, msg=lambda s: f"{what}\n{s}")
     if r.numel() and r.abs().max() > 0:
         assert o.abs().max() > 0, f"output all zeros {what}"
@@ -161,18 +164,30 @@ def reference(p: Problem, precision_of: Optional[Problem] = None):
 REL_NORM_FP32 = {"bf16": 0.01, "fp8_tensor": 0.05, "fp8_channel": 0.05, "fp8_block": 0.05}
 
 
+# A layer whose precision model rounds to bf16 (GEMM outputs, the intermediate, the output)
+# computed with another accumulation order than the reference lands on the neighbouring bf16
+# value wherever a sum falls near a rounding boundary: one bf16 step (2^-8 relative) in the
+# output, plus the intermediate's steps carried through GEMM2. On the H200 (fuzz seed 5095, an
+# fp16 layer the torch backend computes in bf16, |out| up to 2.9) that put 5 of 2425 elements
+# 0.031 from the reference, over the 0.02 absolute tolerance. Across devices the bf16 scheme
+# therefore also allows two bf16 steps relative to the value.
+CROSS_DEVICE_BF16_RTOL = 2.0 ** -7
+
 # FP8 layers requantize the SiLU*mul output. Two correct computations whose GEMM1 outputs differ
 # by one bf16 rounding (another accumulation order: a GPU GEMM against the CPU reference) can
 # round an intermediate element to neighbouring FP8 codes, one step = up to 1/16 of that row's
-# amax, and that step reaches every output of the token through a column of w2. On unit-scale
-# data with top-1 routing (nothing averages it) one such step can exceed the OPS.md absolute
-# tolerance: on the CPU, a relative perturbation of 2^-13 of GEMM1's output (below one bf16
-# step; test_requant_allowance_...) puts 1-3 elements up to 1.16x over it, and on the H200 the
-# torch backend (torch._scaled_grouped_mm) had 7 of 2176 elements up to 1.3x over it.
+# (or group's) amax, and that step reaches every output of the token through a column of w2.
+# With dynamic scales the amax itself can round differently, which rescales the whole row or
+# 128-group and re-rounds many of its elements at once. On unit-scale data with top-1 routing
+# (nothing averages it) such steps can exceed the OPS.md absolute tolerance: on the CPU
+# (test_requant_allowance_...), a relative perturbation of GEMM1's output of 2^-13 puts 1-12
+# elements up to 1.7x over it, and one of 2^-10 up to 2.8x (block FP8; at most 0.2% of the
+# elements); on the H200 the torch backend had up to 1.3x (per-channel, 7 of 2176 elements)
+# and 2.7x (block FP8, I = 128: one group per token).
 # So against a reference computed elsewhere an FP8 result may have a few elements up to
 # REQUANT_SLACK x the tolerance, at most REQUANT_MAX_FRACTION of them; a wrong scale, row or
 # expert moves far more elements or moves them further, and the norm checks stay strict.
-REQUANT_SLACK = 2.0
+REQUANT_SLACK = 3.0
 REQUANT_MAX_FRACTION = 0.01
 
 
@@ -182,18 +197,16 @@ def _check_requant_steps(o, r, atol, rtol, what):
     diff, tol = (o - r).abs(), atol + rtol * r.abs()
     worst = (diff / tol).max().item()
     over = int((diff > tol).sum())
+    stats = (f"max |out - ref| {diff.max().item():.4f} = {worst:.2f}x the tolerance, "
+             f"{over} of {r.numel()} elements over it")
     assert worst <= REQUANT_SLACK, (
-        f"{what}: max |out - ref| = {diff.max().item():.4f} is {worst:.2f}x the tolerance "
-        f"(allowed {REQUANT_SLACK}x for requantization steps)")
+        f"{what}: {stats} (allowed: {REQUANT_SLACK}x for requantization steps)")
     assert over <= max(2, REQUANT_MAX_FRACTION * r.numel()), (
-        f"{what}: {over} of {r.numel()} elements over the tolerance (max |diff| "
-        f"{diff.max().item():.4f}); requantization steps explain at most "
-        f"{REQUANT_MAX_FRACTION:.0%}")
+        f"{what}: {stats}; requantization steps explain at most {REQUANT_MAX_FRACTION:.0%}")
 
 
 def check_close_requant(out, ref, scheme, what=""):
-    """check_close for results computed on another device than `ref` (see above); bf16 has no
-    requantization and is held to the plain tolerance."""
+    """check_close for results computed on another device than `ref` (see above)."""
     check_close(out, ref, scheme, what, requant_steps=True)
 
 
@@ -831,7 +844,8 @@ def _fuzz(seeds, device):
         except Exception as exc:  # noqa: BLE001  (collect all, report with repro lines)
             scheme = fuzz_case(seed)[1]
             failures.append(
-                f"seed={seed} {scheme}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                f"seed={seed} {scheme}: {type(exc).__name__}: "
+                    f"{' / '.join(str(exc).splitlines()[:5])[:400]}"
                 f"\n  repro: PYTHONPATH=python:tests python -c \"import test_fused_moe as t; "
                 f"t.fuzz_check({seed}, '{device}')\"")
     assert not failures, f"{len(failures)} fuzz failures:\n" + "\n".join(failures[:20])
@@ -865,7 +879,7 @@ def _perturbed_gemm1_layer(p: Problem, rel_noise: float, seed: int = 0) -> torch
     return out
 
 
-@pytest.mark.parametrize("scheme", ["fp8_channel", "fp8_block", "fp8_tensor_dynamic"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_channel", "fp8_block", "fp8_tensor_dynamic"])
 def test_requant_allowance_accepts_rounding_and_rejects_errors(scheme, monkeypatch):
     """GEMM1 perturbed below one bf16 step (the bf16 precision model on the CPU): passes
     check_close_requant. A wrong scale on one token row or one expert, or a zeroed row, fails."""
@@ -883,8 +897,12 @@ def test_requant_allowance_accepts_rounding_and_rejects_errors(scheme, monkeypat
             check_close_requant(bad, ref, scheme, name)
     q = make_problem(64, 8, 2, 256, 128, scheme=scheme, seed=4)
     ref_q = reference(q, precision_of=q)
-    wrong = replace(q, quant=replace(q.quant, w2_scale=q.quant.w2_scale.clone()))
-    wrong.quant.w2_scale[3] *= 1.5  # expert 3's output 50% too large
+    if q.quant is None:
+        wrong = replace(q, w2=q.w2.clone())
+        wrong.w2[3] *= 1.5  # expert 3's output 50% too large
+    else:
+        wrong = replace(q, quant=replace(q.quant, w2_scale=q.quant.w2_scale.clone()))
+        wrong.quant.w2_scale[3] *= 1.5
     with pytest.raises(AssertionError):
         check_close_requant(run(wrong), ref_q, scheme, "one expert's scale")
 

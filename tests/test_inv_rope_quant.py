@@ -64,7 +64,7 @@ def assert_same(got, want):
     q, s = got
     q_ref, s_ref = want
     assert q.shape == q_ref.shape and s.shape == s_ref.shape
-    q, s = q.cpu(), s.cpu()
+    q, s, q_ref, s_ref = q.cpu(), s.cpu(), q_ref.cpu(), s_ref.cpu()
     codes, codes_ref = q.view(torch.uint8), q_ref.view(torch.uint8)
     bad = (codes != codes_ref).nonzero()
     assert bad.numel() == 0, (f"{bad.shape[0]} fp8 codes differ, first at {bad[0].tolist()}: "

@@ -22,9 +22,13 @@ register_backend("cute", _cute_backend.run, _cute_backend.is_available)
 __version__ = "0.1.0"
 
 
+# Asked once: the answer is fixed for the process, and torch.compile cannot trace the query.
+_BUILT_WITH_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("hopper_moe::moe_sum", "CUDA")
+
+
 def built_with_cuda() -> bool:
     """True when this build of hopper_moe._C holds the CUDA kernels."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("hopper_moe::moe_sum", "CUDA")
+    return _BUILT_WITH_CUDA
 
 
 __all__ = [

@@ -22,6 +22,8 @@ and epilogue is the next step.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import ops
@@ -38,11 +40,18 @@ def is_available(device_type: str) -> bool:
     GEMM's CPU definition runs (tests, small layers)."""
     if device_type == "cpu":
         return True
-    if device_type != "cuda" or not torch.cuda.is_available():
+    if device_type != "cuda":
         return False
-    from . import built_with_cuda
+    global _CUDA_SM90
+    if _CUDA_SM90 is None:  # once per process, outside any torch.compile trace after that
+        from . import built_with_cuda
 
-    return built_with_cuda() and torch.cuda.get_device_capability() == (9, 0)
+        _CUDA_SM90 = (built_with_cuda() and torch.cuda.is_available()
+                      and torch.cuda.get_device_capability() == (9, 0))
+    return _CUDA_SM90
+
+
+_CUDA_SM90: Optional[bool] = None
 
 
 def _check_supported(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

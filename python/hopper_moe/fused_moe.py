@@ -613,13 +613,13 @@ def fused_experts(
         hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
         global_num_experts, expert_map, quant, backend)
     device_type = hidden_states.device.type
-    available = available_backends(device_type)
     if backend == "auto":
         scheme = "bf16" if quant is None else quant.scheme
-        backend = oracle.choose_backend(device_type, scheme, hidden_states.shape[0], available)
-    if backend not in available:
+        backend = oracle.choose_backend(device_type, scheme, hidden_states.shape[0],
+                                        available_backends(device_type))
+    elif backend not in _BACKENDS or not _BACKENDS[backend].is_available(device_type):
         _fail(f"backend {backend!r} is not available in this build for device "
-              f"{device_type!r} (available: {available})")
+              f"{device_type!r} (available: {available_backends(device_type)})")
     if hidden_states.shape[0] == 0:
         return hidden_states.new_empty((0, hidden_states.shape[1]))
     return _BACKENDS[backend].run(hidden_states, w1, w2, topk_weights, topk_ids,

@@ -103,7 +103,7 @@ def fused_inv_rope_fp8_quant_kernel(
     head = tl.program_id(1).to(tl.int64)
     g = head // HEADS_PER_GROUP
     j = head % HEADS_PER_GROUP
-    n = num_tokens.to(tl.int64)
+    n = tl.cast(num_tokens, tl.int64)  # a specialized copy may receive a constexpr
     n_padded = (n + 3) // 4 * 4
 
     blk = tl.arange(0, BLOCKS_PER_HEAD)                  # (BLOCKS_PER_HEAD,)
