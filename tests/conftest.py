@@ -10,6 +10,7 @@ a run that is stopped before pytest's summary (a time limit) still says what fai
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -31,12 +32,24 @@ gpu = pytest.mark.gpu
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # pytest-xdist: share the cores between the workers (each CPU reference would otherwise
     # start one thread per core in every worker).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 def pytest_collection_modifyitems(config, items):
-    # The long fuzz tests go first, so parallel workers do not end on them one by one.
-    items.sort(key=lambda item: "fuzz" not in item.name)
+    # The long fuzz tests spread evenly through the first two thirds of the run: pytest-xdist
+    # hands out tests in contiguous chunks, so adjacent fuzz tests would run one after another
+    # on one worker, and a fuzz test handed out last would run alone at the end.
+    fuzz = [item for item in items if "fuzz" in item.name]
+    if fuzz:
+        rest = iter([item for item in items if "fuzz" not in item.name])
+        step = max(1, 2 * len(items) // (3 * len(fuzz)))
+        ordered = []
+        for item in fuzz:
+            ordered.append(item)
+            ordered.extend(itertools.islice(rest, step - 1))
+        ordered.extend(rest)
+        items[:] = ordered
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of hopper_moe")

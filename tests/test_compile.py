@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from hopper_moe import fused_experts, fused_topk
 
 from conftest import gpu, seeded
-from test_fused_moe import TOL, base_scheme, make_problem
+from test_fused_moe import TOL, base_scheme, check_close_requant, make_problem
 
 fm = importlib.import_module("hopper_moe.fused_moe")
 
@@ -52,8 +52,16 @@ def _check_compiled_layer(scheme, device, backend, dtype, e=3, num_local=None, h
         got = compiled(*args)
         want = _layer(*args)
         assert got.shape == want.shape and got.dtype == want.dtype
-        # Same math; the compiled graph may only reorder fp32 reductions.
-        torch.testing.assert_close(got.float(), want.float(), atol=min(atol, 1e-2) / 4, rtol=0)
+        if base_scheme(scheme) == "bf16" or backend != "inductor":
+            # Same math; the compiled graph may only reorder fp32 reductions.
+            torch.testing.assert_close(got.float(), want.float(), atol=min(atol, 1e-2) / 4,
+                                       rtol=0)
+        else:
+            # Inductor generates its own kernels for the FP8 quantizations (a reciprocal for a
+            # division, fused multiply-adds), which may round a value to the neighbouring FP8
+            # code: on the H200 that moved 12-24% of the outputs by up to 0.023. Held to the
+            # allowance for requantization steps (test_fused_moe.check_close_requant).
+            check_close_requant(got, want, scheme, f"compiled vs eager, m={m}")
         assert got.float().abs().max() > 0
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -107,12 +115,14 @@ def test_compile_fused_experts_gpu(scheme):
 
 @gpu
 def test_compile_fused_experts_gpu_block_distinct_sizes():
-    """Block FP8 with no two unrelated sizes equal. The case above failed once in Inductor on
-    torch 2.11 + CUDA ("AssertionError: 1/2" from the sympy printer, i.e. a square root in an
-    index expression); there topk = 2 = ceil(2I/128) and H = I share Dynamo symbols. If only
-    that case fails, the trigger is the symbol coincidence."""
+    """Block FP8 with no two unrelated sizes equal (H/128 = 3, 2I/128 = 12, I/128 = 6, topk 4,
+    7 local of 8 experts, M 5/17/40). With the block scales expanded by repeat_interleave and a
+    slice, both this test (then with H/128 = topk = 3) and the one above (2I/128 = topk = 2)
+    failed in Inductor on torch 2.11 + CUDA ("AssertionError: 1/2" from the sympy printer: a
+    square root in an index expression, after Dynamo gave the equal sizes one symbol). The
+    torch backend now gathers block scales by index, which ties no sizes together."""
     _check_compiled_layer("fp8_block", "cuda", "inductor", torch.bfloat16, e=8, num_local=7,
-                          h=384, i=256, topk=3)
+                          h=384, i=768, topk=4)
 
 
 @gpu

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, gpu, seeded
+from test_fused_moe import check_close_requant
 
 from hopper_moe import reference
 from hopper_moe.quant import make_quant_config
@@ -61,10 +62,15 @@ def triton_precision(quant) -> dict:
 
 
 def check(out, ref, scheme):
-    atol, rtol = TOL[scheme]
+    """OPS.md tolerance. On a GPU the kernel's accumulation order differs from the reference's,
+    so FP8 results may hold a few requantization steps (test_fused_moe.check_close_requant)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not torch.isnan(out).any(), "unwritten (NaN) or invalid output"
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    if out.is_cuda:
+        check_close_requant(out, ref, scheme)
+    else:
+        atol, rtol = TOL[scheme]
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
     if ref.float().norm() > 0:
         ratio = out.float().norm() / ref.float().norm()
         assert 0.95 < ratio < 1.05, f"rms ratio {ratio:.3f}"
@@ -193,7 +199,7 @@ def test_triton_fuzz_gpu(shard):
                 run_case(M, e_local, topk, H, I, scheme, "cuda", seed=case, expert_map=emap)
         except AssertionError as err:
             failures.append(f"case={case} M={M} E={E} topk={topk} H={H} I={I} scheme={scheme} "
-                            f"expert_map={emap is not None}: {str(err).splitlines()[0]}")
+                            f"expert_map={emap is not None}: {' / '.join(str(err).splitlines()[:5])}")
     assert not failures, "\n".join(failures[:20])
 
 

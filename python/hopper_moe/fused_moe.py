@@ -339,11 +339,12 @@ def _quantize_rows(x: torch.Tensor, quant: QuantConfig,
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, quant: QuantConfig,
                      dtype: torch.dtype) -> torch.Tensor:
-    rows, cols = q.shape
     if quant.block_shape is not None:
+        # Each column's group scale gathered by index: no size relation between q and scale
+        # for torch.compile's symbolic shapes to solve (Inductor on CUDA failed on one).
         group = quant.block_shape[1]
-        x = q.float().reshape(rows, cols // group, group) * scale.unsqueeze(2)
-        return x.reshape(rows, cols).to(dtype)
+        cols = torch.arange(q.shape[1], device=q.device) // group
+        return (q.float() * scale.index_select(1, cols)).to(dtype)
     return (q.float() * scale).to(dtype)
 
 
@@ -352,9 +353,10 @@ def _dequantize_weight(w: torch.Tensor, scale: torch.Tensor, quant: QuantConfig,
     """fp8 ``w [E, N, K]`` x its scales -> ``dtype`` (computed in fp32)."""
     e, n, k = w.shape
     if quant.block_shape is not None:
-        bn, bk = quant.block_shape
-        full = scale.repeat_interleave(bn, dim=1).repeat_interleave(bk, dim=2)[:, :n, :k]
-        return (w.float() * full).to(dtype)
+        bn, bk = quant.block_shape  # block scales gathered by index (see _dequantize_rows)
+        rows = torch.arange(n, device=w.device) // bn
+        cols = torch.arange(k, device=w.device) // bk
+        return (w.float() * scale.index_select(1, rows).index_select(2, cols)).to(dtype)
     if quant.per_out_ch_quant:
         return (w.float() * scale.reshape(e, n, 1)).to(dtype)
     return (w.float() * scale.reshape(e, 1, 1)).to(dtype)

@@ -77,7 +77,7 @@ def expected_max_rows(num_tokens: int, top_k: int, num_experts: int) -> float:
 def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -> dict:
     """Heuristic tiles for Hopper. Few rows per expert: swap-AB with a 16..64-row token side
     sized to the fullest expert and a wide weight tile; many rows: the standard mapping with
-    128 x 256 tiles."""
+    128 x 256 tiles (bf16) or 64/128 x 128 (FP8)."""
     m = bucket(num_tokens)
     rows = expected_max_rows(m, top_k, num_experts)
     one_slot = one_slot_pays(num_tokens, top_k, num_experts)
@@ -89,9 +89,12 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     elif rows <= 64:
         cfg = dict(BLOCK_M=32 if rows <= 32 else 64, BLOCK_N=128, BLOCK_K=block_k,
                    GROUP_M=1, SWAP_AB=True, num_warps=4, num_stages=4)
-    else:
+    elif not fp8:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=block_k, GROUP_M=8, SWAP_AB=False,
                    num_warps=8, num_stages=3)  # 3 x 48 KiB of tiles in shared memory
+    else:  # 128 x 256 measured 1.5-2.5x slower for FP8 on the H200 (benchmarks/NOTES.md, v4)
+        cfg = dict(BLOCK_M=64 if m <= 1024 else 128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8,
+                   SWAP_AB=False, num_warps=8 if m > 1024 else 4, num_stages=3)
     if scheme == "fp8_block":
         cfg["BLOCK_K"] = 128
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 128)
