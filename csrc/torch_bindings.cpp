@@ -10,12 +10,15 @@
 namespace hopper_moe {
 
 bool cutlass_group_gemm_supported(int64_t cuda_device_capability) {
-  // cutlass_moe_mm runs the hand-written SM90 grouped GEMM. The kernel is validated on an
-  // H200 through moe_grouped_gemm; the cutlass_moe_mm entry itself (row ranges from vLLM's
-  // offsets and problem sizes) has CPU tests only so far, so callers are not sent to it yet:
-  // this answers true for SM90 once its GPU tests have run.
+  // cutlass_moe_mm runs the hand-written SM90 grouped GEMM (sm_90a code: H100/H200 only). Its
+  // GPU tests (tests/test_grouped_gemm.py: swapped and plain problem sizes, E up to 128) pass
+  // on an H200. A build without the CUDA kernels supports no capability.
+#ifdef HOPPER_MOE_WITH_CUDA
+  return cuda_device_capability == 90;
+#else
   (void)cuda_device_capability;
   return false;
+#endif
 }
 
 }  // namespace hopper_moe

@@ -231,10 +231,11 @@ def test_sizes_from_offsets_no_experts():
 
 # ------------------------------------------------------------- cutlass_group_gemm_supported
 @pytest.mark.parametrize("cap", [-1, 0, 70, 80, 86, 89, 90, 100, 103, 110, 120, 121])
-def test_cutlass_group_gemm_supported_is_false(cap):
-    # This build has no cutlass_moe_mm: no capability may claim support.
-    assert SUPPORTED(cap) is False
-    assert hopper_moe.ops.cutlass_group_gemm_supported(cap) is False
+def test_cutlass_group_gemm_supported_only_for_sm90(cap):
+    # cutlass_moe_mm runs sm_90a code: only SM90 (H100/H200) in a build with the CUDA kernels.
+    want = cap == 90 and hopper_moe.built_with_cuda()
+    assert SUPPORTED(cap) is want
+    assert hopper_moe.ops.cutlass_group_gemm_supported(cap) is want
 
 
 # ---------------------------------------------------------------------- input validation

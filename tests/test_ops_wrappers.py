@@ -7,6 +7,7 @@ import torch
 
 from conftest import DEVICES, seeded
 
+import hopper_moe
 from hopper_moe import ops, reference
 
 FP8 = torch.float8_e4m3fn
@@ -122,4 +123,5 @@ def test_silu_and_mul_wrappers_allocate(device):
 
 
 def test_cutlass_group_gemm_supported_wrapper():
-    assert ops.cutlass_group_gemm_supported(90) is False
+    assert ops.cutlass_group_gemm_supported(90) is hopper_moe.built_with_cuda()
+    assert ops.cutlass_group_gemm_supported(89) is False

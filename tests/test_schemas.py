@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import hopper_moe  # noqa: F401
+import hopper_moe
 
 # The schema strings of ../shared/OPS.md, verbatim.
 EXPECTED = [
@@ -39,9 +39,9 @@ def test_every_expected_op_is_listed_once():
 
 # cutlass_moe_mm runs the hand-written grouped GEMM. cutlass_group_gemm_supported answers True
 # only for the capabilities below: those where the cutlass_moe_mm entry has passed its GPU
-# tests (tests/test_grouped_gemm.py). None yet: the kernel passed on the H200 through
-# moe_grouped_gemm, the cutlass_moe_mm entry on the CPU only.
-SUPPORTED_CAPABILITIES: set[int] = set()
+# tests (tests/test_grouped_gemm.py): SM90, on an H200. A build without the CUDA kernels
+# supports none.
+SUPPORTED_CAPABILITIES: set[int] = {90} if hopper_moe.built_with_cuda() else set()
 CUTLASS_MOE_MM = (
 "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, Tensor a_scales, Tensor b_scales, Tensor expert_offsets, Tensor problem_sizes, Tensor a_strides, Tensor b_strides, Tensor c_strides, bool per_act_token, bool per_out_ch) -> ()"
 )

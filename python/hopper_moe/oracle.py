@@ -6,12 +6,14 @@ token count gives the preference order; the first preferred backend that is avai
 Rows change only with a benchmark table (benchmarks/results/) that shows the new choice is
 not slower.
 
-Current rows, from benchmarks/results/h200_moe.md (H200, mixtral and qwen3_30b, M = 1..4096):
-- CUDA bf16, fp8_tensor, fp8_channel: "triton" at every M. It is 1.06-4.1x faster than
-  "torch" everywhere except mixtral bf16 at M = 2048 / 4096, where it is 0.9% and 4.7%
-  slower: inside the 5% the choice may lose, and qwen3_30b at the same M gains 2.2-2.3x.
-- CUDA fp8_block: "torch" (the Triton block-FP8 layer is not benchmarked yet).
-- "cute" is in no row until its layer is benchmarked; CPU rows keep "torch".
+Current rows, from benchmarks/results/h200_moe.md (H200, mixtral and qwen3_30b, bf16 and FP8
+per-tensor, M = 1..4096; fp8_channel from h200_moe_v1.md):
+- CUDA bf16, fp8_tensor, fp8_channel: "triton" at every M: 1.07-3.9x faster than "torch"
+  and faster than "cute" at every M of that run (cute is within 1-4% of it for mixtral
+  M = 4..32 and far behind from M = 64 on: one 16-token tile, benchmarks/NOTES.md).
+- CUDA fp8_block: "torch" (the Triton block-FP8 layer is not benchmarked yet; cute has no
+  block FP8).
+- CPU rows keep "torch".
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
 //
-// Status: compiled for sm_90a (csrc/instantiations/) and validated on an H200 through the op
-// moe_grouped_gemm (tests/test_grouped_gemm.py); not yet behind cutlass_moe_mm, so
-// cutlass_group_gemm_supported() answers false.
+// Status: compiled for sm_90a (csrc/instantiations/) and validated on an H200 through the ops
+// moe_grouped_gemm and cutlass_moe_mm (tests/test_grouped_gemm.py); one 16-token tile, no
+// standard mapping or persistent scheduler yet (benchmarks/NOTES.md, v3 measured).
 #pragma once
 
 #include <cuda_runtime.h>
