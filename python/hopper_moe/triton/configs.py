@@ -92,7 +92,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     elif not fp8:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=block_k, GROUP_M=8, SWAP_AB=False,
                    num_warps=8, num_stages=3)  # 3 x 48 KiB of tiles in shared memory
-    else:  # 128 x 256 measured 1.5-2.5x slower for FP8 on the H200 (benchmarks/NOTES.md, v4)
+    else:  # 128 x 256 measured ~2x slower for FP8 on the H200 (benchmarks/NOTES.md, v4)
         cfg = dict(BLOCK_M=64 if m <= 1024 else 128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8,
                    SWAP_AB=False, num_warps=8 if m > 1024 else 4, num_stages=3)
     if scheme == "fp8_block":
