@@ -40,7 +40,7 @@ for step in $steps; do
     bench)
       # The default is the two decode-critical shapes (a few minutes); BENCH_SHAPES=...
       # selects others (see benchmarks/README.md). Results go to one archive.
-      res=/tmp/hopper_moe_results; mkdir -p $res
+      res=/tmp/hopper_moe_results; rm -rf $res; mkdir -p $res  # this run's results only
       # BENCH_OPS=0 skips the ops benchmark; BENCH_ARGS replaces bench_moe's arguments.
       [ "${BENCH_OPS:-1}" = 0 ] || python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
       python3 benchmarks/bench_moe.py ${BENCH_ARGS:---shapes ${BENCH_SHAPES:-mixtral,qwen3_30b} --plot} \
