@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 
@@ -82,6 +83,18 @@ def test_pruning_removes_what_it_should_and_keeps_the_rest():
     assert tune.why_pruned(dict(CFG_B, GROUP_M=1), "bf16", m=32, top_k=2, num_experts=8) is None
     assert tune.why_pruned(CFG_A, "bf16", m=4, top_k=2, num_experts=8) is None
     assert tune.why_pruned(CFG_A, "bf16", m=5, top_k=2, num_experts=8) is not None
+    # mixtral-like routing (2 of 8 experts): at M = 128 the fullest expert expects ~46 rows.
+    # A 16-row swap-AB block would stream it 3 times; 32 rows twice at most.
+    assert tune.why_pruned(dict(CFG_B, BLOCK_M=16, GROUP_M=1), "bf16", m=128, top_k=2,
+                           num_experts=8) == "swap-AB block under half the fullest expert"
+    assert tune.why_pruned(dict(CFG_B, GROUP_M=1), "bf16", m=128, top_k=2, num_experts=8) is None
+    assert tune.why_pruned(dict(CFG_C, GROUP_M=1), "bf16", m=128, top_k=2,
+                           num_experts=8) is None
+    # qwen3-like routing (8 of 128): at M = 64 the fullest expert expects ~9 rows, so a
+    # 128-row block is mostly padding; 32 rows are kept.
+    assert tune.why_pruned(dict(CFG_C, GROUP_M=1), "bf16", m=128, top_k=8, num_experts=128) \
+        == "BLOCK_M above twice the fullest expert"
+    assert tune.why_pruned(dict(CFG_B, GROUP_M=1), "bf16", m=64, top_k=8, num_experts=128) is None
     # Large M keeps the standard mapping with big tiles; small M keeps swap-AB tiles.
     large = tune.search_space(4096, "bf16", 2, 8)
     assert any(c["BLOCK_M"] == 128 and c["GROUP_M"] == 16 and not c["SWAP_AB"] for c in large)
@@ -100,8 +113,9 @@ def test_quick_space_is_a_pruned_subset_with_both_mappings(scheme):
     for m in (1, 16, 64, 256, 4096):
         space = tune.search_space(m, scheme, 8, 128, "quick")
         assert space and all(c in tune.search_space(m, scheme, 8, 128) for c in space)
-        assert any(c["SWAP_AB"] for c in space)
-        if m >= 256:
+        if m <= 256:  # 26 rows in the fullest expert at most
+            assert any(c["SWAP_AB"] for c in space)
+        if m >= 4096:  # ~300 rows in the fullest expert
             assert any(not c["SWAP_AB"] and c["BLOCK_M"] == 128 for c in space)
     assert len(tune.search_space(4096, scheme, 2, 8, "quick")) <= 60
 
@@ -143,16 +157,17 @@ def test_entries_are_written_sorted_and_complete(tmp_path):
 
 def test_round_trip_through_get_config(tmp_path, monkeypatch, fresh_config_cache):
     E, topk, inter = 8, 2, 14336
-    path = tune.output_path(tmp_path, E, inter, "fp8_channel", device_name="NVIDIA H200")
+    path = tune.output_path(tmp_path, E, inter, "fp8_channel", device_name="Test GPU")
     for m, cfg in ((1, CFG_A), (16, CFG_B), (256, CFG_C)):
         tune.save_entry(path, m, cfg)
     monkeypatch.setenv("HOPPER_MOE_CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(configs.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(configs, "_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(configs, "_device_name", lambda: "Test GPU")
     for tokens, want in ((1, CFG_A), (3, CFG_A), (10, CFG_B), (16, CFG_B), (100, CFG_B),
                          (200, CFG_C), (9000, CFG_C)):
         assert configs.get_config(tokens, topk, E, inter, "fp8_channel") == want, tokens
-    # The dtype is part of the name: bf16 finds no file and keeps the default.
+    # The dtype is part of the name: bf16 finds no file (none is shipped for this device
+    # either) and keeps the default.
     assert configs.get_config(10, topk, E, inter, "bf16") == \
         configs.default_config(10, topk, E, "bf16")
 
@@ -253,6 +268,35 @@ def test_candidates_of_a_tiny_layer(scheme):
     assert broken.rejected.startswith("failed") and math.isnan(broken.us)
 
 
+def test_compile_plan_holds_each_config_once_at_its_smallest_m():
+    C = tune.bench_common()
+    shape = C.MoEShape("t", 8, 2, 128, 64)
+    ms = [64, 1, 4096, 16]
+    plan = tune.compile_plan(shape, "bf16", ms, "quick")
+    keys = [json.dumps(cfg, sort_keys=True) for _, cfg in plan]
+    assert len(keys) == len(set(keys))
+    want = {}
+    for m in sorted(ms):
+        for cfg in [tune.baseline_config(m, 2, 8, "bf16")] + \
+                tune.search_space(m, "bf16", 2, 8, "quick"):
+            want.setdefault(json.dumps(cfg, sort_keys=True), m)
+    assert {k: m for k, (m, _) in zip(keys, plan)} == want
+
+
+def test_precompile_runs_every_config_in_worker_processes(monkeypatch):
+    """Two worker processes run the planned configs (one of them broken on purpose: its
+    failure comes back from the worker with the config and the reason)."""
+    C = tune.bench_common()
+    shape = C.MoEShape("t", 4, 2, 128, 64)
+    good = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SWAP_AB=False,
+                ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2)
+    broken = dict(good, BLOCK_K=48)
+    monkeypatch.setattr(tune, "search_space", lambda *a, **k: [good, broken])
+    n, failed = tune.precompile(shape, "bf16", [5], "full", jobs=2, device=DEVICE)
+    assert n == 3  # the default, good and broken
+    assert len(failed) == 1 and "'BLOCK_K': 48" in failed[0] and failed[0].startswith("M=5 ")
+
+
 def test_tune_loop_writes_each_m(tmp_path, monkeypatch, capsys):
     """The whole loop on a tiny layer, with two candidates per M besides the default."""
     C = tune.bench_common()
@@ -274,3 +318,31 @@ def test_tune_loop_writes_each_m(tmp_path, monkeypatch, capsys):
         assert table[m] in tried
     assert all(r[5] == 0 for r in rows)  # nothing rejected
     assert "M=5:" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------- the shipped tables
+SHIPPED = sorted(configs._SHIPPED.glob("*.json"))
+_NAME = re.compile(r"E=(\d+),N=(\d+),device_name=([^,]+?)(,dtype=fp8_w8a8)?"
+                   r"(,block_shape=\[128,128\])?\.json")
+
+
+def test_shipped_tables_exist_for_the_benchmark_shapes():
+    names = {p.name for p in SHIPPED}
+    for E, inter in ((8, 14336), (128, 768)):  # mixtral, qwen3_30b: bf16 and FP8
+        for scheme in ("bf16", "fp8_tensor"):
+            assert configs.config_file_name(E, inter, scheme, "NVIDIA H200") in names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_table_is_complete_and_valid(path):
+    """Every M bucket has an entry (nearest-M lookup never hands a decode config to a
+    prefill batch or the reverse), every entry holds every key, and obeys the rules that hold
+    for every batch size."""
+    m = _NAME.fullmatch(path.name)
+    assert m, path.name
+    scheme = "fp8_block" if m.group(5) else "fp8_tensor" if m.group(4) else "bf16"
+    table = tune.load_table(path)
+    assert sorted(table) == list(configs.M_BUCKETS)
+    for key, cfg in table.items():
+        assert list(cfg) == list(tune.CONFIG_KEYS), (key, cfg)
+        assert tune.why_pruned(cfg, scheme) is None, (key, cfg)

@@ -47,20 +47,25 @@ for step in $steps; do
         --out $res 2>&1 | tee "$OUT/bench_moe.log" | tail -60
       tar czf "$OUT/results.tgz" -C $res . ;;
     tune)
-      # Tuned Triton tables (hopper_moe.tune, quick space) for TUNE_SHAPES x TUNE_DTYPES, into
-      # one archive (copy its files to python/hopper_moe/configs/ to ship them).
+      # Tuned Triton tables (hopper_moe.tune, quick space, configs compiled in TUNE_JOBS
+      # processes first) for each shape:scheme pair of TUNE_PAIRS, into one archive (copy its
+      # complete files to python/hopper_moe/configs/ to ship them). TUNE_SECONDS bounds the
+      # step: a pair still running then is stopped; its file holds the M values done so far.
       cfg=/tmp/hopper_moe_configs; mkdir -p $cfg
-      for shape in ${TUNE_SHAPES:-mixtral qwen3_30b}; do
-        for dtype in ${TUNE_DTYPES:-bf16 fp8_tensor}; do
-          python3 -m hopper_moe.tune --shape $shape --dtype $dtype --space ${TUNE_SPACE:-quick} \
-            --out $cfg --resume 2>"$OUT/tune_progress.log" | tee -a "$OUT/tune.log" | tail -3
-        done
+      end=$(( $(date +%s) + ${TUNE_SECONDS:-100000} ))
+      for pair in ${TUNE_PAIRS:-mixtral:bf16 mixtral:fp8_tensor qwen3_30b:bf16 qwen3_30b:fp8_tensor}; do
+        left=$(( end - $(date +%s) )); [ $left -gt 30 ] || { echo "tune: no time left for $pair"; continue; }
+        timeout $left python3 -m hopper_moe.tune --shape ${pair%%:*} --dtype ${pair##*:} \
+          --space ${TUNE_SPACE:-quick} --jobs ${TUNE_JOBS:-12} --out $cfg --resume \
+          2>>"$OUT/tune_progress.log" | tee -a "$OUT/tune.log" | grep -E "^(M=|compiled|wrote)"
       done
       tar czf "$OUT/configs.tgz" -C $cfg . ;;
     sanitize)
-      for tool in memcheck racecheck synccheck initcheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool python3 tools/sanitize_ops.py \
-          >"$OUT/sanitize_$tool.log" 2>&1
+      # SANITIZE_TOOLS picks the tools; SANITIZE_SECONDS bounds each (a tool stopped there
+      # prints no ERROR SUMMARY line).
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_SECONDS:-3600} compute-sanitizer \
+          --tool $tool python3 tools/sanitize_ops.py >"$OUT/sanitize_$tool.log" 2>&1
         echo "$tool: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
       done | tee "$OUT/sanitize.txt" ;;
     cmake)

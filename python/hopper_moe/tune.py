@@ -3,7 +3,9 @@
     python -m hopper_moe.tune --shape mixtral --dtype fp8_channel --out DIR
     python -m hopper_moe.tune --E 8 --H 4096 --I 14336 --topk 2 --dtype bf16 --m 1,16,256
     python -m hopper_moe.tune --shape qwen3_30b --dtype bf16 --dry-run    # no GPU needed
-    python -m hopper_moe.tune --shape mixtral --dtype bf16 --space quick   # ~60 configs per M
+    python -m hopper_moe.tune --shape mixtral --dtype bf16 --space quick   # <= 60 configs per M
+    python -m hopper_moe.tune --shape mixtral --dtype bf16 --space quick --jobs 12  # compile
+                                                                # in 12 processes first
 
 For every token count M it times the whole `fused_experts_triton` layer with each config of a
 pruned search space (CUDA graph of one call, median of replays, L2 evicted between replays:
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -105,6 +108,14 @@ def why_pruned(cfg: dict, scheme: str, m: int | None = None, top_k: int = 1,
     # An expert receives at most m rows (a token picks an expert once).
     if cfg["BLOCK_M"] > max(16, _pow2_at_least(m)):
         return "BLOCK_M above M"
+    rows = configs.expected_max_rows(m, top_k, num_experts)
+    # A token block more than twice the fullest expert's rows only multiplies padding.
+    if cfg["BLOCK_M"] > 2 * max(16, _pow2_at_least(math.ceil(rows))):
+        return "BLOCK_M above twice the fullest expert"
+    # A swap-AB block under half the fullest expert streams that expert's weights 3+ times;
+    # the standard mapping covers those sizes.
+    if cfg["SWAP_AB"] and rows > 2 * cfg["BLOCK_M"]:
+        return "swap-AB block under half the fullest expert"
     # With at most one block per expert, consecutive blocks never share weights.
     if cfg["GROUP_M"] > 1 and m <= cfg["BLOCK_M"]:
         return "GROUP_M > 1 with one block per expert"
@@ -128,9 +139,10 @@ def all_configs() -> list[dict]:
 
 
 def quick_configs() -> list[dict]:
-    """A hand-picked subset of all_configs() (~60 before pruning) for a tuning pass of a few
+    """A hand-picked subset of all_configs() (60 before pruning) for a tuning pass of a few
     minutes: swap-AB tiles of 16/32/64 token rows for decode, the one-slot tiles, and the
-    standard-mapping tiles that win at large M on Hopper (64/128 x 128/256, 8 warps)."""
+    standard-mapping tiles that win at large M on Hopper (64/128 x 128/256, 8 warps, 3-4
+    stages)."""
     rows = [(bm, bn, bk, 1, True, False, 4, ns)
             for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256) for ns in (3, 4, 5)]
     rows += [(16, bn, bk, 1, True, True, 4, ns)
@@ -140,7 +152,9 @@ def quick_configs() -> list[dict]:
              (64, 128, 128, 8, False, False, 4, 3), (64, 128, 64, 8, False, False, 8, 4),
              (64, 256, 64, 8, False, False, 8, 3), (128, 128, 64, 8, False, False, 8, 3),
              (128, 128, 128, 8, False, False, 8, 3), (128, 256, 64, 16, False, False, 8, 3),
-             (128, 256, 64, 16, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 3)]
+             (128, 256, 64, 16, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 3),
+             (128, 256, 64, 1, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 4),
+             (128, 128, 128, 16, False, False, 8, 4), (64, 256, 128, 8, False, False, 8, 4)]
     return [dict(zip(CONFIG_KEYS, r)) for r in rows]
 
 
@@ -366,6 +380,74 @@ def tune_one_m(layer: Layer, m: int, shape, scheme: str, timer,
     return best, base, rejected
 
 
+# ------------------------------------------------------------------ parallel compilation
+def compile_plan(shape, scheme: str, ms: list[int], space_name: str) -> list[tuple[int, dict]]:
+    """Every distinct config the tuning of `ms` will run (the defaults included), each with
+    the smallest M that runs it. Token counts are never specialized on (the zero-recompile
+    guarantee), so a config compiled at one M is the same binary at every M."""
+    plan: dict[str, tuple[int, dict]] = {}
+    for m in sorted(ms):
+        base = baseline_config(m, shape.top_k, shape.num_experts, scheme)
+        for cfg in [base] + search_space(m, scheme, shape.top_k, shape.num_experts, space_name):
+            plan.setdefault(json.dumps(cfg, sort_keys=True), (m, cfg))
+    return list(plan.values())
+
+
+def _compile_worker(shape_fields: tuple, scheme: str, items: list, seed: int,
+                    device: str) -> list[str]:
+    """Run each (M, config) once, so that Triton's on-disk cache holds its kernels. Returns
+    the failures (the timing pass reports them again, as rejected candidates)."""
+    C = bench_common()
+    shape = C.MoEShape(*shape_fields)
+    device = torch.device(device)
+    try:
+        w1, w2, quant = make_weights(shape, scheme, device, seed)
+    except torch.OutOfMemoryError:
+        return [f"a worker had no memory for the weights; the timing pass compiles its "
+                f"{len(items)} configs"]
+    failed = []
+    for m, cfg in items:
+        layer = make_layer(shape, w1, w2, quant, m, device, seed)
+        try:
+            with forced_config(cfg):
+                layer()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001  (the timing pass rejects it with the reason)
+            failed.append(f"M={m} {cfg}: {C.short_error(exc, 120)}")
+    return failed
+
+
+def precompile(shape, scheme: str, ms: list[int], space_name: str, jobs: int,
+               seed: int = 0, device: str = "cuda") -> tuple[int, list[str]]:
+    """Compile every config of the tuning run in `jobs` processes at once (Triton compiles on
+    the CPU, one config at a time per process); the timing pass, one process on the GPU, then
+    loads the kernels from the cache. Fewer processes run when the weights of `jobs` copies
+    of the layer would not fit in GPU memory. Returns (configs planned, the failures)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from hopper_moe import tune as this  # by name: under `python -m` this file is __main__
+
+    plan = compile_plan(shape, scheme, ms, space_name)
+    if device == "cuda":
+        # Each worker holds the layer's weights (FP8 quantization passes through fp32): as
+        # many workers as fit in 80% of the free memory.
+        per_worker = 3 * shape.num_experts * shape.hidden_size * shape.intermediate_size \
+            * (2 if scheme == "bf16" else 10) + (2 << 30)
+        jobs = max(1, min(jobs, int(0.8 * torch.cuda.mem_get_info()[0]) // per_worker))
+    # Spread large and small tiles evenly: worker i takes every jobs-th config.
+    chunks = [plan[i::jobs] for i in range(jobs) if plan[i::jobs]]
+    fields = (shape.name, shape.num_experts, shape.top_k, shape.hidden_size,
+              shape.intermediate_size)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=ctx) as pool:
+        futures = [pool.submit(this._compile_worker, fields, scheme, chunk, seed, device)
+                   for chunk in chunks]
+        failed = [line for fut in futures for line in fut.result()]
+    return len(plan), failed
+
+
 def tune_shape(shape, scheme: str, ms: list[int], path: Path, device, timer,
                seed: int = 0, space_name: str = "full") -> list[list]:
     """Tune every M of `ms` in turn, adding each winner to the file at `path` as soon as it
@@ -405,6 +487,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(minutes instead of hours; see quick_configs)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the pruned search space per M (no GPU needed)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile the configs in this many processes first (Triton's cache "
+                   "then serves the timing pass); 1: compile while timing")
     p.add_argument("--iters", type=int, default=30, help="timed graph replays per config")
     p.add_argument("--warmup", type=int, default=5, help="untimed replays per config")
     p.add_argument("--seed", type=int, default=0)
@@ -467,6 +552,15 @@ def main(argv=None) -> int:
         print(f"note: replacing {path} (use --resume to keep its entries)")
         path.unlink()
 
+    if args.jobs < 1:
+        raise SystemExit("--jobs must be >= 1")
+    if args.jobs > 1:
+        t0 = time.perf_counter()
+        n, failed = precompile(shape, args.dtype, todo, args.space, args.jobs, args.seed)
+        for line in failed:
+            print(f"compile failed: {line}", file=sys.stderr)
+        print(f"compiled {n - len(failed)} of {n} configs in up to {args.jobs} processes, "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     device = torch.device("cuda")
     timer = functools.partial(C.time_cuda, iters=args.iters, warmup=args.warmup,
                               evict=C.L2Evictor(device))

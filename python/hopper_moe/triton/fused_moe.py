@@ -115,6 +115,8 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
         GROUP_M=config["GROUP_M"],
         ONE_SLOT_PER_BLOCK=not routing.aligned,
         HAS_EXPERT_MAP=routing.expert_map is not None,
+        EVEN_K=k % config["BLOCK_K"] == 0,
+        EVEN_N=n % config["BLOCK_N"] == 0,
         INTERPRETER=_INTERPRET,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

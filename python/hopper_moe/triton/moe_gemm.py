@@ -32,7 +32,8 @@ launch where almost every aligned block would hold a single row anyway.
 
 No recompilation across token counts: every integer whose value follows the number of tokens
 (`num_slots`, `num_sorted`) is in do_not_specialize, and the launch grid is not part of the
-compiled kernel's key; shapes (N, K, strides) follow the model, not the batch.
+compiled kernel's key; shapes (N, K, strides, and EVEN_K / EVEN_N: K and N multiples of the
+tile, which drop the loads' K and N masks) follow the model, not the batch.
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     ONE_SLOT_PER_BLOCK: tl.constexpr,
     HAS_EXPERT_MAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
@@ -146,20 +149,47 @@ def moe_gemm_kernel(
         bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn
 
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        # Masks only where the shape needs them: EVEN_K / EVEN_N (K, N multiples of the
+        # tile) drop the K and N predicates, so the weight tile loads unmasked.
         k_left = K - kb * BLOCK_K
         if SWAP_AB:
-            a = tl.load(a_ptrs, mask=row_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                if EVEN_N:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
         if INTERPRETER:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if SWAP_AB:
-            part = tl.dot(b, a)
+        if QUANT == 0:
+            # bf16/fp16: accumulate in the MMA itself.
+            if SWAP_AB:
+                acc = tl.dot(b, a, acc)
+            else:
+                acc = tl.dot(a, b, acc)
         else:
-            part = tl.dot(a, b)
+            # FP8: each K tile's product is added to the fp32 registers (the tensor core's FP8
+            # accumulator keeps fewer mantissa bits; `tl.dot(a, b, acc)` would accumulate the
+            # whole K loop there). The cost is a second accumulator tile: 128 x 256 FP8 tiles
+            # with 8 warps need 255 registers and spill; 64/128 x 128 tiles do not.
+            if SWAP_AB:
+                part = tl.dot(b, a)
+            else:
+                part = tl.dot(a, b)
         if QUANT == 3:
             kg = (kb * BLOCK_K) // GROUP_K
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
@@ -168,7 +198,7 @@ def moe_gemm_kernel(
                 acc += part * b_s[:, None] * a_s[None, :]
             else:
                 acc += part * a_s[:, None] * b_s[None, :]
-        else:
+        elif QUANT != 0:
             acc += part
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
