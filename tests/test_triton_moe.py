@@ -1,8 +1,9 @@
 """The Triton MoE backend against the fp32 reference, every scheme, both tile mappings.
 
-The Triton layer keeps the GEMM outputs and the SiLU*mul output in bf16 between kernels, so it
-is compared with the reference of that storage precision (`triton_precision`): an FP8
-requantization turns a bf16 rounding difference into a whole fp8 step.
+GEMM1 applies SiLU*mul in its epilogue; the SiLU*mul output (unless quantized there) and GEMM2's
+output are kept in bf16 between kernels, so the layer is compared with the reference of that
+storage precision (`triton_precision`): an FP8 requantization turns a bf16 rounding difference
+into a whole fp8 step.
 
 On a machine without a GPU these run in Triton's interpreter (TRITON_INTERPRET=1, set in
 conftest.py before Triton is imported) on small shapes; on the GPU the same cases run compiled,
@@ -21,6 +22,7 @@ from test_fused_moe import check_close
 from hopper_moe import reference
 from hopper_moe.quant import make_quant_config
 from hopper_moe.triton import configs as triton_configs
+from hopper_moe.triton import fused_moe as triton_fused_moe
 from hopper_moe.triton.fused_moe import fused_experts_triton
 
 SCHEMES = ["bf16", "fp8_tensor", "fp8_tensor_static", "fp8_channel", "fp8_block"]
@@ -51,11 +53,9 @@ def make_layer(M, E, topk, H, I, scheme, device, seed, expert_map=None, skew=Fal
 
 
 def triton_precision(quant) -> dict:
-    """Storage precision of the Triton layer, for the reference: GEMM outputs in bf16; the
-    SiLU*mul output in bf16 too, except with a static a2 scale, where silu_and_mul_quant
-    quantizes it without storing it."""
-    static_a2 = quant is not None and quant.scheme == "fp8_tensor" and quant.a2_scale is not None
-    return dict(intermediate_dtype=torch.bfloat16, act_dtype=None if static_a2 else torch.bfloat16)
+    """The layer's storage precision model (GEMM1 output never stored, SiLU*mul output in
+    bf16 unless quantized in GEMM1's epilogue, GEMM2 output in bf16)."""
+    return triton_fused_moe.precision(quant)
 
 
 def check(out, ref, scheme):
@@ -155,6 +155,55 @@ def test_all_tokens_on_one_expert_and_empty_experts():
 def test_zero_tokens():
     x, w1, w2, w, ids, quant, _ = make_layer(0, 4, 2, 128, 64, "bf16", DEVICE, seed=1)
     assert fused_experts_triton(x, w1, w2, w, ids).shape == (0, 128)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("out", ["bf16", "fp8_static", "amax"])
+def test_gemm1_silu_epilogue(swap_ab, out):
+    """GEMM1 with SiLU*mul in its epilogue, alone: act[slot] = silu(x g^T) * (x u^T) for placed
+    slots, with an intermediate size that is no multiple of the tile's BLOCK_N / 2 outputs;
+    rows of slots that are not placed stay as they were; the FP8 output is quantized with
+    the static scale; the amax output is the dynamic per-tensor scale of what was stored."""
+    from hopper_moe.quant import FP8_MAX, FP8_MIN_SCALE
+    from hopper_moe.triton.fused_moe import Routing, invoke_moe_gemm
+
+    g = seeded(21)
+    E, topk, H, I, M = 3, 2, 64, 40, 6
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [1, 0], [2, -1], [0, 1], [5, 2], [1, 2]], dtype=torch.int32)
+    x, w1, ids = x.to(DEVICE), w1.to(DEVICE), ids.to(DEVICE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SWAP_AB=swap_ab, num_warps=4,
+               num_stages=2)
+    routing = Routing(ids, None, E, cfg["BLOCK_M"], aligned=True)
+    slots = M * topk
+    fp8 = out == "fp8_static"
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    act = torch.full((slots, I), -3.0, device=DEVICE).to(dtype)  # poison
+    scale = torch.tensor([0.01 if fp8 else FP8_MIN_SCALE], device=DEVICE)
+    invoke_moe_gemm(x, w1, act, None, (0, 0), None, None, routing, topk, slots, None, False,
+                    cfg, fuse_silu=True, out_scale=scale if out != "bf16" else None,
+                    amax_out=out == "amax")
+
+    flat = ids.reshape(-1).long().cpu()
+    placed = (flat >= 0) & (flat < E)
+    h = torch.zeros(slots, 2 * I)
+    for s in torch.nonzero(placed).flatten().tolist():
+        h[s] = x[s // topk].float().cpu() @ w1[flat[s]].float().cpu().t()
+    want = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+    got = act.float().cpu()
+    assert torch.equal(got[~placed], torch.full((int((~placed).sum()), I), -3.0).to(dtype).float())
+    if fp8:
+        q = (want[placed] * (1.0 / 0.01)).clamp(-FP8_MAX, FP8_MAX).to(dtype).float()
+        # one fp8 step where GEMM1's accumulation order moves a value across a rounding edge
+        step = q.abs().clamp_min(2.0 ** -6) / 8
+        assert ((got[placed] - q).abs() <= step).all()
+        assert ((got[placed] - q).abs() > 0).float().mean() < 0.02
+    else:
+        torch.testing.assert_close(got[placed], want[placed], atol=1e-2, rtol=2 ** -7)
+    if out == "amax":
+        stored_amax = got[placed].abs().max()
+        assert scale.item() == max((stored_amax / FP8_MAX).item(), FP8_MIN_SCALE)
 
 
 FUZZ_SHARDS, FUZZ_CASES_PER_SHARD = 10, 100  # 1,000 seeded cases, in shards that run in parallel

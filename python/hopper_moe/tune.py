@@ -236,10 +236,11 @@ class Layer:
                                     quant=self.quant)
 
     def reference(self) -> torch.Tensor:
-        """fp32 reference at the Triton layer's storage precision (bf16 between kernels)."""
+        """fp32 reference at the Triton layer's storage precision."""
         from .reference import fused_experts_ref
+        from .triton.fused_moe import precision
         return fused_experts_ref(self.x, self.w1, self.w2, self.topk_weights, self.topk_ids,
-                                 quant=self.quant, intermediate_dtype=torch.bfloat16)
+                                 quant=self.quant, **precision(self.quant))
 
 
 def make_weights(shape, scheme: str, device, seed: int):

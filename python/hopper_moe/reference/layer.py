@@ -128,6 +128,7 @@ def fused_experts_ref(
     intermediate_dtype: Optional[torch.dtype] = None,
     dequant_dtype: Optional[torch.dtype] = None,
     act_dtype: object = _AS_INTERMEDIATE,
+    gemm1_dtype: object = _AS_INTERMEDIATE,
 ) -> torch.Tensor:
     """fp32 reference of the MoE layer; returns ``[M, H]`` in hidden_states' dtype.
 
@@ -152,6 +153,9 @@ def fused_experts_ref(
       act_dtype: the SiLU*mul output's storage when it differs from intermediate_dtype
         (default: intermediate_dtype). A pipeline that quantizes SiLU*mul in the same kernel
         (silu_and_mul_quant) never stores it: it passes act_dtype=None.
+      gemm1_dtype: the GEMM1 output's storage when it differs from intermediate_dtype
+        (default: intermediate_dtype). A GEMM1 that applies SiLU*mul in its epilogue never
+        stores its own output: it passes gemm1_dtype=None.
       dequant_dtype: with quant, GEMMs run on dequantized operands (q * scale) rounded to
         this dtype (PyTorch's dequantize-then-bf16-GEMM fallback); None = exact operands,
         as an FP8 tensor-core GEMM sees them.
@@ -197,7 +201,8 @@ def fused_experts_ref(
         tok, kk = torch.nonzero(local == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        h = _store(x[tok] @ w1f[e].t(), intermediate_dtype)
+        h = _store(x[tok] @ w1f[e].t(),
+                   intermediate_dtype if gemm1_dtype is _AS_INTERMEDIATE else gemm1_dtype)
         inter[tok, kk] = _store(F.silu(h[:, :intermediate_size]) * h[:, intermediate_size:],
                                 intermediate_dtype if act_dtype is _AS_INTERMEDIATE else act_dtype)
 

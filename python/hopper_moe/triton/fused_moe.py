@@ -1,4 +1,4 @@
-"""The Triton MoE layer: align -> (quant) -> GEMM1 -> SiLU*mul (+quant) -> GEMM2 (* weight) -> sum.
+"""The Triton MoE layer: align -> (quant) -> GEMM1 with SiLU*mul (+ quant) -> GEMM2 (* weight) -> sum.
 
 `fused_experts_triton` is what `hopper_moe.fused_experts(..., backend="triton")` runs. Arguments
 are validated by the caller (hopper_moe.fused_moe); this module only plans and launches.
@@ -13,6 +13,7 @@ import torch
 import triton
 
 from .. import ops
+from ..quant import FP8_MIN_SCALE
 from .configs import get_config
 from .moe_gemm import moe_gemm_kernel
 
@@ -78,8 +79,13 @@ class Routing:
 
 def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing: Routing,
                     top_k: int, num_slots: int, quant, mul_routed_weight: bool,
-                    config: dict) -> None:
-    """C[slot] = A[slot // top_k] . B[expert]^T for every slot the routing places."""
+                    config: dict, fuse_silu: bool = False,
+                    out_scale: torch.Tensor | None = None, amax_out: bool = False) -> None:
+    """C[slot] = A[slot // top_k] . B[expert]^T for every slot the routing places.
+
+    fuse_silu (GEMM1): C[slot] = silu(gate) * up of that product, [slots, N / 2]; an FP8 C is
+    quantized with the static scale out_scale; amax_out: C stays bf16 and out_scale (set to
+    the dynamic scale's floor by the caller) receives max(out_scale, amax(C) / 448)."""
     n, k = b.shape[1], b.shape[2]
     mode = _quant_mode(quant)
     grid = (routing.num_blocks(config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
@@ -93,6 +99,7 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
     group_n, group_k = (quant.block_shape if mode == _QUANT_BLOCK else (1, 1))
     moe_gemm_kernel[grid](
         a, b, c, a_scale, b_scale, topk_weights if mul_routed_weight else dummy,
+        out_scale if out_scale is not None else dummy,
         routing.sorted_ids, routing.expert_ids, routing.ntp,
         routing.topk_ids, routing.expert_map if routing.expert_map is not None else dummy,
         n, k, num_slots, routing.sorted_ids.numel(), routing.num_experts, b.shape[0],
@@ -117,10 +124,24 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
         HAS_EXPERT_MAP=routing.expert_map is not None,
         EVEN_K=k % config["BLOCK_K"] == 0,
         EVEN_N=n % config["BLOCK_N"] == 0,
+        FUSE_SILU=fuse_silu,
+        OUT_FP8=fuse_silu and c.dtype == ops.FP8_DTYPE,
+        AMAX_OUT=amax_out,
         INTERPRETER=_INTERPRET,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
+
+
+def precision(quant) -> dict:
+    """Storage precision of this layer, as `reference.fused_experts_ref` keywords: GEMM1's
+    output is never stored (SiLU*mul in its epilogue); the SiLU*mul output is stored in bf16,
+    except with a static a2 scale, where the epilogue quantizes it straight to FP8; GEMM2's
+    output is stored in bf16 before the top-k sum."""
+    static_a2 = quant is not None and _quant_mode(quant) == _QUANT_TENSOR and \
+        quant.a2_scale is not None
+    return dict(intermediate_dtype=torch.bfloat16, gemm1_dtype=None,
+                act_dtype=None if static_a2 else torch.bfloat16)
 
 
 def _identity_map(num_experts: int, device: torch.device) -> torch.Tensor:
@@ -159,22 +180,29 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     else:
         a1, a1_s, asm, ask = _quantize_act(x, quant, quant.a1_scale)
         a1_st = (asm, ask)
-    # Rows of slots that are never placed (ids outside [0, num_experts)) stay unwritten; a
-    # dynamic per-tensor requantization takes its amax over every row, so those rows must be
-    # zero there. Other schemes never read them.
-    dynamic_q2 = mode == _QUANT_TENSOR and quant.a2_scale is None
-    cache1 = (torch.zeros if dynamic_q2 else torch.empty)((num_slots, inter2), dtype=out_dtype,
-                                                           device=x.device)
-    invoke_moe_gemm(a1, w1, cache1, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
-                    topk_weights, routing, top_k, num_slots, quant, False, cfg)
-
+    # GEMM1 applies SiLU*mul in its epilogue: act [slots, I] is its only output. Rows of
+    # slots that are never placed (ids outside [0, num_experts)) stay unwritten; GEMM2 never
+    # reads them, and a dynamic per-tensor scale is the amax of the written rows only.
+    inter = inter2 // 2
+    w1_s = None if mode == _QUANT_NONE else quant.w1_scale
     if mode == _QUANT_TENSOR and quant.a2_scale is not None:
-        a2 = ops.silu_and_mul_quant(None, cache1, quant.a2_scale)
+        a2 = torch.empty((num_slots, inter), dtype=ops.FP8_DTYPE, device=x.device)
+        invoke_moe_gemm(a1, w1, a2, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
+                        num_slots, quant, False, cfg, fuse_silu=True, out_scale=quant.a2_scale)
         a2_s, a2_st = quant.a2_scale, (0, 0)
     else:
-        act = ops.silu_and_mul(None, cache1)
+        act = torch.empty((num_slots, inter), dtype=out_dtype, device=x.device)
+        dynamic_q2 = mode == _QUANT_TENSOR
+        a2_s = torch.full((1,), FP8_MIN_SCALE, dtype=torch.float32, device=x.device) \
+            if dynamic_q2 else None
+        invoke_moe_gemm(a1, w1, act, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
+                        num_slots, quant, False, cfg, fuse_silu=True, out_scale=a2_s,
+                        amax_out=dynamic_q2)
         if mode == _QUANT_NONE:
-            a2, a2_s, a2_st = act, None, (0, 0)
+            a2, a2_st = act, (0, 0)
+        elif dynamic_q2:
+            a2, _ = ops.scaled_fp8_quant(act, a2_s)  # the scale GEMM1 computed
+            a2_st = (0, 0)
         else:
             a2, a2_s, asm, ask = _quantize_act(act, quant, None)
             a2_st = (asm, ask)

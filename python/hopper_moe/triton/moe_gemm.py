@@ -22,6 +22,16 @@ Scales (QUANT): 0 none; 1 per-tensor activation x per-expert weight; 2 per-token
 (PER_ACT_TOKEN / PER_OUT_CH); 3 block-wise: a_scale [rows, K/GROUP_K], b_scale
 [E, N/GROUP_N, K/GROUP_K], applied inside the K loop (BLOCK_K == GROUP_K).
 
+Fused SiLU*mul (FUSE_SILU, GEMM1 only): B is w1 [E, 2I, K] (gate rows, then up rows) and the
+program computes BLOCK_N pre-activation columns as BLOCK_N / 2 (gate, up) pairs: column 2j of
+the tile is gate row n0 + j, column 2j + 1 up row I + n0 + j. The epilogue splits the pairs,
+stores silu(gate) * up as C [slots, I] (BLOCK_N / 2 columns) and never writes the [slots, 2I]
+GEMM1 output: that saves writing it and reading it back (2I x 2 + I x 2 bytes per slot of HBM
+traffic and one launch). OUT_FP8 quantizes the result with a static scale (out_scale, as
+x * (1 / s)); AMAX_OUT atomically maxes amax / 448 of the stored values into out_scale, which
+the caller initialized to the dynamic scale's floor: out_scale then is the dynamic per-tensor
+scale of C, so the quantization of C needs no amax pass of its own.
+
 INTERPRETER is set only under TRITON_INTERPRET=1. The CPU interpreter (Triton 3.8) computes a
 bf16 tl.dot wrongly and converts fp32 to bf16 by truncation, so there the operands are widened
 to fp32 first and the output is rounded to nearest-even by hand; compiled kernels skip both.
@@ -40,6 +50,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .inv_rope_quant import _round_to_e4m3
+
+FP8_MAX = tl.constexpr(448.0)
+
 # Integer arguments whose values vary with the token count: never specialized.
 TOKEN_DEPENDENT_ARGS = ["num_slots", "num_sorted"]
 
@@ -47,7 +61,7 @@ TOKEN_DEPENDENT_ARGS = ["num_slots", "num_sorted"]
 @triton.jit(do_not_specialize=TOKEN_DEPENDENT_ARGS)
 def moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr,
-    a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_scale_ptr, b_scale_ptr, topk_weights_ptr, out_scale_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
     topk_ids_ptr, expert_map_ptr,
     N, K,
@@ -73,6 +87,9 @@ def moe_gemm_kernel(
     HAS_EXPERT_MAP: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    AMAX_OUT: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
@@ -110,19 +127,34 @@ def moe_gemm_kernel(
                         other=num_slots).to(tl.int64)
         row_ok = slots < num_slots
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = offs_n < N
-
-    if SWAP_AB:
-        c_ptrs = c_ptr + slots[None, :] * stride_cm + offs_n[:, None] * stride_cn
-        c_mask = row_ok[None, :] & col_ok[:, None]
+    if FUSE_SILU:
+        # Tile column j is weight row (j % 2) * I + n0 + j // 2: (gate, up) pairs, so the
+        # epilogue's split is a split of adjacent accumulator columns.
+        half_n = N // 2
+        pair = tl.arange(0, BLOCK_N) // 2
+        side = tl.arange(0, BLOCK_N) % 2
+        out_col = (pid_n * (BLOCK_N // 2) + pair).to(tl.int64)
+        offs_n = out_col + side * half_n
+        col_ok = out_col < half_n
+        offs_o = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)).to(tl.int64)
+        o_ptrs = c_ptr + slots[:, None] * stride_cm + offs_o[None, :] * stride_cn
+        o_mask = row_ok[:, None] & (offs_o[None, :] < half_n)
     else:
-        c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        c_mask = row_ok[:, None] & col_ok[None, :]
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        col_ok = offs_n < N
+        if SWAP_AB:
+            c_ptrs = c_ptr + slots[None, :] * stride_cm + offs_n[:, None] * stride_cn
+            c_mask = row_ok[None, :] & col_ok[:, None]
+        else:
+            c_ptrs = c_ptr + slots[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            c_mask = row_ok[:, None] & col_ok[None, :]
 
     if expert < 0:
-        # Not a local expert: its slots contribute zero.
-        if SWAP_AB:
+        # Not a local expert: its slots contribute zero (and leave an amax as it is).
+        if FUSE_SILU:
+            tl.store(o_ptrs, tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=c_ptr.dtype.element_ty),
+                     mask=o_mask)
+        elif SWAP_AB:
             tl.store(c_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=c_ptr.dtype.element_ty),
                      mask=c_mask)
         else:
@@ -227,9 +259,37 @@ def moe_gemm_kernel(
         else:
             acc = acc * w[:, None]
 
-    if INTERPRETER:
-        if c_ptr.dtype.element_ty == tl.bfloat16:
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            acc = bits.to(tl.float32, bitcast=True)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if FUSE_SILU:
+        if SWAP_AB:
+            acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N): tokens by rows again
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        if OUT_FP8:
+            inv_scale = tl.math.div_rn(1.0, tl.load(out_scale_ptr))
+            q = tl.minimum(tl.maximum(act * inv_scale, -FP8_MAX), FP8_MAX)
+            if INTERPRETER:  # the interpreter's fp8 conversion does not round to nearest
+                q = _round_to_e4m3(q)
+            tl.store(o_ptrs, q.to(c_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            if INTERPRETER:
+                act = _round_to_bf16(act, c_ptr.dtype.element_ty)
+            stored = act.to(c_ptr.dtype.element_ty)
+            tl.store(o_ptrs, stored, mask=o_mask)
+            if AMAX_OUT:
+                amax = tl.max(tl.max(tl.where(o_mask, tl.abs(stored.to(tl.float32)), 0.0), 1), 0)
+                tl.atomic_max(out_scale_ptr, tl.math.div_rn(amax, FP8_MAX))
+    else:
+        if INTERPRETER:
+            acc = _round_to_bf16(acc, c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _round_to_bf16(v, dtype: tl.constexpr):
+    """The interpreter converts fp32 to bf16 by truncation: round to nearest even by hand (a
+    no-op for other output dtypes)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v
