@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import gpu, seeded
+from test_heuristics import TILES, rule_token_tile
 
 from hopper_moe import ops, reference
 
@@ -279,6 +280,39 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode):
             failures.append(f"case={case} E={e} M={m_tot} N={n} K={k}: "
                             f"{str(err).splitlines()[0]}")
     assert not failures, "\n".join(failures[:20])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+def test_cuda_every_token_tile(dtype, a_mode, b_mode):
+    """Each token tile of heuristics/sm90.h (bf16 16..128, FP8 16..64), picked through m_total:
+    8 * tile rows over 16 experts put the fullest expert's expected rows above the next smaller
+    tile and within this one. Ragged counts: the first and last experts empty, experts of the
+    tile's size, one over and one under it, one of 2 tiles + 5 rows (three token tiles, the
+    last partial), the rest spread at random; N = 200 (a partial weight tile), more k-tiles
+    than stages and a K tail."""
+    kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
+    e, n = 16, 200
+    k = 1032 if dtype == "bf16" else 1040  # 17 k-tiles of 64 / 9 of 128, both with a tail
+    rng = random.Random(11)
+    failures = []
+    for tile in TILES[kernel_dtype]:
+        m_total = 8 * tile
+        assert rule_token_tile(kernel_dtype, m_total, e) == tile
+        counts = [0, 2 * tile + 5, tile, tile + 1, 1, tile - 1] + [0] * (e - 6)
+        for _ in range(m_total - sum(counts)):
+            counts[rng.randrange(6, e - 1)] += 1
+        assert sum(counts) == m_total and counts[0] == counts[-1] == 0
+        a, b, offs, sa, sb = make_problem(counts, n, k, dtype, a_mode, b_mode, seed=tile,
+                                          device="cuda")
+        try:
+            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"tile={tile} counts={counts}: {str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
 
 
 @gpu

@@ -1,8 +1,10 @@
-// CUDA launcher of moe_grouped_gemm: the SM90 swap-AB grouped GEMM (csrc/include/hopper_moe/gemm).
-// The kernel is sm_90a code (wgmma, TMA): other GPUs get a clear error instead of a launch
-// failure. Validated on an H200 against the CPU definition and the fp32 reference
-// (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and per-token x per-channel, K = 14336,
-// CUDA-graph replay with new offsets).
+// CUDA launcher of moe_grouped_gemm: the SM90 swap-AB grouped GEMM (csrc/include/hopper_moe/gemm),
+// its token tile chosen per launch from the shapes (heuristics/sm90.h; the expert row counts
+// stay on the device). The kernel is sm_90a code (wgmma, TMA): other GPUs get a clear error
+// instead of a launch failure. The 16-token tile is validated on an H200 against the CPU
+// definition and the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and
+// per-token x per-channel, K = 14336, CUDA-graph replay with new offsets); the larger tiles'
+// test (test_cuda_every_token_tile) has not run on a GPU yet.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,6 +13,7 @@
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
+#include "hopper_moe/heuristics/sm90.h"
 #include "ops.h"
 
 namespace hopper_moe::cuda {
@@ -27,6 +30,11 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   if (a.size(0) == 0 || b.size(0) == 0 || b.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  const heuristics::GroupedGemmConfig config = heuristics::choose_grouped_gemm_sm90(
+      a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
+                                       : heuristics::GemmDtype::kE4m3,
+      a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)));
 
   gemm::MoeGemmArgs args;
   args.x = a.data_ptr();
@@ -47,10 +55,9 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
     args.b_mode = b_scales->numel() == b.size(0) ? gemm::ScaleMode::kPerTensor
                                                   : gemm::ScaleMode::kPerRow;
   }
-  const cudaError_t err = a.scalar_type() == at::kBFloat16
-                              ? gemm::moe_gemm_swapab_sm90_bf16(args, stream)
-                              : gemm::moe_gemm_swapab_sm90_e4m3(args, stream);
-  HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed: ", cudaGetErrorString(err));
+  const cudaError_t err = gemm::moe_gemm_swapab_sm90(args, config, stream);
+  HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
+           cudaGetErrorString(err));
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on

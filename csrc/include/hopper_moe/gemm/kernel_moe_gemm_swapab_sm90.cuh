@@ -3,7 +3,9 @@
 // At decode an expert sees a handful of tokens. A wgmma's A operand is always 64 rows, so the
 // weight tile takes that side (kBlockN = 64 or 128 weight rows, 1 or 2 wgmma per k-step) and
 // the tokens are the narrow N side (kBlockT = 8..256). Every expert's weights are then read
-// once, by ceil(N / kBlockN) CTAs per token tile.
+// once, by ceil(N / kBlockN) CTAs per token tile. The host picks kBlockT per launch from the
+// rows the fullest expert is expected to get (heuristics/sm90.h), so a typical expert fits one
+// token tile; one with more rows takes several, each streaming its weights again.
 //
 // CTA (blockIdx.x = weight tile n0, .y = token tile t0, .z = expert e): one warpgroup of 128
 // threads. An expert with no rows in this token tile returns before touching shared memory.
@@ -20,7 +22,8 @@
 // Shared memory: kStages * (kBlockN + kBlockT) * kBlockK * sizeof(Element) + barriers.
 // Epilogue: scales, conversion to bf16 and a predicated store of each accumulator element
 // to out[row, n] (direct, not yet staged through shared memory).
-// Status: compiled, not yet validated on a GPU (see moe_gemm_sm90.h).
+// Registers: the accumulator is kBlockT fp32 per thread (twice for FP8), the reason the token
+// tiles stop at 128 (bf16) and 64 (FP8). Status: see moe_gemm_sm90.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -30,7 +33,10 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include <type_traits>
+
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
+#include "hopper_moe/heuristics/sm90.h"
 
 namespace hopper_moe::gemm {
 
@@ -56,6 +62,9 @@ struct SwapAbConfig {
   using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}));
   static constexpr int kThreads = 128;
   static_assert(cute::size(TiledMma{}) == kThreads, "one warpgroup issues every wgmma");
+  static_assert(kBlockN * kBlockT / kThreads * (kPromoteInterval > 0 ? 2 : 1) <= 128,
+                "the fp32 accumulators (two with FP8 promotion) leave registers for the rest "
+                "of the kernel: larger token tiles spill");
 
   // 128-byte-swizzled tiles repeat every 1024 bytes: TMA writes and wgmma descriptors (base
   // offset 0) agree only on 1024-byte aligned tiles.
@@ -256,6 +265,21 @@ cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t strea
   dim3 grid((a.n + kBlockN - 1) / kBlockN, unsigned(t_tiles), unsigned(a.num_experts));
   kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, tma_w, tma_x, a.num_experts);
   return cudaGetLastError();
+}
+
+// The instantiation for (dtype, token tile): every other template argument is the heuristic's
+// config of that tile, so what the host logs is what runs.
+template <heuristics::GemmDtype kDtype, int kBlockT>
+cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  constexpr heuristics::GroupedGemmConfig c = heuristics::swapab_config(kDtype, kBlockT);
+  using Element = std::conditional_t<kDtype == heuristics::GemmDtype::kBf16,
+                                     cutlass::bfloat16_t, cutlass::float_e4m3_t>;
+  using Config = SwapAbConfig<Element, c.block_n, kBlockT, c.block_k, c.stages, c.promote_interval>;
+  static_assert(Config::kSmemBytes == c.smem_bytes,
+                "the heuristic's shared-memory model is the kernel's SharedStorage");
+  static_assert(c.block_k * sizeof(Element) == 128, "a k-tile is one 128-byte swizzle row");
+  return launch_moe_gemm_swapab_sm90<Element, c.block_n, kBlockT, c.block_k, c.stages,
+                                     c.promote_interval>(args, stream);
 }
 
 }  // namespace hopper_moe::gemm

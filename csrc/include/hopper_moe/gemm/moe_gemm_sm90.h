@@ -9,14 +9,19 @@
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
 //
-// Status: compiled for sm_90a (csrc/instantiations/) and validated on an H200 through the ops
-// moe_grouped_gemm and cutlass_moe_mm (tests/test_grouped_gemm.py); one 16-token tile, no
-// standard mapping or persistent scheduler yet (benchmarks/NOTES.md, v3 measured).
+// Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and token tile, bf16
+// 16/32/64/128 and FP8 16/32/64 tokens, the tile chosen per launch by heuristics/sm90.h). The
+// 16-token tile is validated on an H200 through the ops moe_grouped_gemm and cutlass_moe_mm
+// (tests/test_grouped_gemm.py); the larger tiles are compiled without spills and their GPU
+// test (test_cuda_every_token_tile) has not run yet. No standard mapping or persistent
+// scheduler yet (benchmarks/NOTES.md, v3 measured and v6).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "hopper_moe/heuristics/sm90.h"
 
 namespace hopper_moe::gemm {
 
@@ -40,8 +45,15 @@ struct MoeGemmArgs {
   int64_t max_rows_per_expert = 0;    // static bound on offsets[e+1]-offsets[e] (grid size)
 };
 
-// Each launches on `stream` and returns the launch's cudaError_t.
-cudaError_t moe_gemm_swapab_sm90_bf16(const MoeGemmArgs& args, cudaStream_t stream);
-cudaError_t moe_gemm_swapab_sm90_e4m3(const MoeGemmArgs& args, cudaStream_t stream);
+// Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
+// and returns the launch's cudaError_t; cudaErrorInvalidValue for a config that has none.
+cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args,
+                                 const heuristics::GroupedGemmConfig& config,
+                                 cudaStream_t stream);
+
+// One (dtype, token tile), explicitly instantiated in csrc/instantiations/ for the tiles of
+// heuristics::kTokenTilesBf16 / kTokenTilesE4m3 (defined in kernel_moe_gemm_swapab_sm90.cuh).
+template <heuristics::GemmDtype kDtype, int kBlockT>
+cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 
 }  // namespace hopper_moe::gemm

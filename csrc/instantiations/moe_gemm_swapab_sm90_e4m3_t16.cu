@@ -3,8 +3,7 @@
 
 namespace hopper_moe::gemm {
 
-cudaError_t moe_gemm_swapab_sm90_bf16(const MoeGemmArgs& args, cudaStream_t stream) {
-  return launch_moe_gemm_swapab_sm90<cutlass::bfloat16_t, 128, 16, 64, 8, 0>(args, stream);
-}
+template cudaError_t moe_gemm_swapab_sm90<heuristics::GemmDtype::kE4m3, 16>(
+    const MoeGemmArgs& args, cudaStream_t stream);
 
 }  // namespace hopper_moe::gemm

@@ -3,8 +3,7 @@
 
 namespace hopper_moe::gemm {
 
-cudaError_t moe_gemm_swapab_sm90_e4m3(const MoeGemmArgs& args, cudaStream_t stream) {
-  return launch_moe_gemm_swapab_sm90<cutlass::float_e4m3_t, 128, 16, 128, 8, 4>(args, stream);
-}
+template cudaError_t moe_gemm_swapab_sm90<heuristics::GemmDtype::kE4m3, 64>(
+    const MoeGemmArgs& args, cudaStream_t stream);
 
 }  // namespace hopper_moe::gemm

@@ -1,0 +1,186 @@
+"""heuristics/sm90.h: the grouped GEMM's token tile and stage count, compiled with the system
+C++ compiler into a small driver and held to the rule recomputed here in Python.
+
+The rule: the fullest expert is expected to get mean + 2.5 sqrt(mean) rows (mean = m_total /
+num_experts); the token tile is the smallest candidate that holds them, else the largest;
+each tile gets the most stages (<= 8) whose shared memory fits 227 KB.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER_DIR = ROOT / "csrc" / "include"
+
+TILES = {"bf16": (16, 32, 64, 128), "e4m3": (16, 32, 64)}
+BLOCK_N = 128
+BLOCK_K = {"bf16": 64, "e4m3": 128}
+ELEMENT_BYTES = {"bf16": 2, "e4m3": 1}
+SMEM_MAX = 227 * 1024
+MAX_STAGES = 8
+
+
+def rule_token_tile(dtype: str, m_total: int, num_experts: int) -> int:
+    """The token tile the rule gives, computed independently of the header."""
+    mean = m_total / max(num_experts, 1)
+    rows = mean + 2.5 * math.sqrt(mean)
+    return next((t for t in TILES[dtype] if rows <= t), TILES[dtype][-1])
+
+
+def rule_smem_bytes(dtype: str, block_t: int, stages: int) -> int:
+    """Two 1024-byte aligned rings (weights, tokens), 2 mbarriers of 8 bytes per stage."""
+    def align(x):
+        return -(-x // 1024) * 1024
+    per_row = BLOCK_K[dtype] * ELEMENT_BYTES[dtype]
+    return align(align(stages * BLOCK_N * per_row) + align(stages * block_t * per_row)
+                 + 16 * stages)
+
+
+DRIVER = r"""
+#include "hopper_moe/heuristics/sm90.h"
+
+#include <cstdio>
+#include <cstring>
+
+using namespace hopper_moe::heuristics;
+
+// "tiles": the config of every candidate tile, one line each. Otherwise one query per stdin
+// line, "<bf16|e4m3> <m_total> <num_experts> <n> <k>", answered by the chosen config.
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "tiles") == 0) {
+    for (int t : kTokenTilesBf16) std::puts(swapab_config(GemmDtype::kBf16, t).to_string().c_str());
+    for (int t : kTokenTilesE4m3) std::puts(swapab_config(GemmDtype::kE4m3, t).to_string().c_str());
+    return 0;
+  }
+  char dtype[8];
+  long long m_total;
+  int num_experts, n, k;
+  while (std::scanf("%7s %lld %d %d %d", dtype, &m_total, &num_experts, &n, &k) == 5) {
+    const GemmDtype d = std::strcmp(dtype, "bf16") == 0 ? GemmDtype::kBf16 : GemmDtype::kE4m3;
+    std::puts(choose_grouped_gemm_sm90(d, m_total, num_experts, n, k).to_string().c_str());
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler (c++, g++ or clang++) on PATH to build the driver")
+    d = tmp_path_factory.mktemp("heuristics")
+    (d / "driver.cpp").write_text(DRIVER)
+    exe = d / "driver"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I",
+                    str(HEADER_DIR), str(d / "driver.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+def parse(line: str) -> dict:
+    name, dtype, *fields = line.split()
+    assert name == "grouped_gemm_sm90", line
+    return {"dtype": dtype, **{k: int(v) for k, v in (f.split("=") for f in fields)}}
+
+
+def choose(driver, queries):
+    """queries: (dtype, m_total, num_experts, n, k) -> the parsed configs, in order."""
+    stdin = "".join(" ".join(map(str, q)) + "\n" for q in queries)
+    out = subprocess.run([str(driver)], input=stdin, capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(queries)
+    return [parse(line) for line in lines]
+
+
+def tiles(driver):
+    out = subprocess.run([str(driver), "tiles"], capture_output=True, text=True, check=True)
+    return [parse(line) for line in out.stdout.splitlines()]
+
+
+# (dtype, m_total, num_experts) -> tile; m_total = num_tokens * top_k.
+REPRESENTATIVE = [
+    # mixtral: E = 8, top-2 (m_total = 2 M)
+    ("bf16", 2, 8, 16), ("bf16", 32, 8, 16), ("bf16", 128, 8, 32), ("bf16", 256, 8, 64),
+    ("bf16", 512, 8, 128), ("bf16", 2048, 8, 128), ("bf16", 8192, 8, 128),
+    ("e4m3", 2, 8, 16), ("e4m3", 32, 8, 16), ("e4m3", 128, 8, 32), ("e4m3", 256, 8, 64),
+    ("e4m3", 512, 8, 64), ("e4m3", 8192, 8, 64),
+    # qwen3_30b: E = 128, top-8 (m_total = 8 M)
+    ("bf16", 8, 128, 16), ("bf16", 512, 128, 16), ("bf16", 2048, 128, 32),
+    ("bf16", 4096, 128, 64), ("bf16", 8192, 128, 128), ("e4m3", 8192, 128, 64),
+    # edges: no rows, no experts, one expert
+    ("bf16", 0, 8, 16), ("bf16", 5, 0, 16), ("bf16", 64, 1, 128), ("e4m3", 64, 1, 64),
+]
+
+
+def test_representative_points(driver):
+    got = choose(driver, [(d, m, e, 4096, 4096) for d, m, e, _ in REPRESENTATIVE])
+    for (dtype, m, e, want), cfg in zip(REPRESENTATIVE, got):
+        assert rule_token_tile(dtype, m, e) == want, (dtype, m, e)  # the table itself
+        assert cfg["block_t"] == want, f"{dtype} m_total={m} E={e}: {cfg}"
+        assert cfg["dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "e4m3"])
+@pytest.mark.parametrize("num_experts", [1, 8, 16, 64, 128, 256])
+def test_matches_rule_and_is_monotonic(driver, dtype, num_experts):
+    """Every m_total up to 64 rows per expert plus a geometric tail: the rule's tile (so both
+    sides of every boundary), never smaller for more rows, and independent of N and K."""
+    ms = list(range(0, 64 * num_experts + 1, max(1, num_experts // 8)))
+    ms += [int(64 * num_experts * 1.5 ** i) for i in range(1, 20)]
+    queries = [(dtype, m, num_experts, n, k) for m in ms for n, k in ((4096, 14336), (64, 128))]
+    got = [c["block_t"] for c in choose(driver, queries)]
+    want = [rule_token_tile(dtype, m, num_experts) for m in ms for _ in range(2)]
+    assert got == want
+    by_m = got[::2]
+    assert by_m == got[1::2], "N and K do not change the token tile"
+    assert all(a <= b for a, b in zip(by_m, by_m[1:])), "token tile shrinks as m_total grows"
+    assert set(by_m) == set(TILES[dtype]), "every candidate tile is chosen somewhere"
+
+
+def test_candidate_configs_fit_shared_memory(driver):
+    configs = tiles(driver)
+    assert [(c["dtype"], c["block_t"]) for c in configs] == \
+        [(d, t) for d in ("bf16", "e4m3") for t in TILES[d]]
+    for c in configs:
+        d, t, s = c["dtype"], c["block_t"], c["stages"]
+        assert c["block_n"] == BLOCK_N and c["block_k"] == BLOCK_K[d], c
+        assert c["promote_interval"] == (0 if d == "bf16" else 4), c
+        assert c["smem_bytes"] == rule_smem_bytes(d, t, s), c
+        assert c["smem_bytes"] <= SMEM_MAX, c
+        assert 2 <= s <= MAX_STAGES, c
+        assert s == MAX_STAGES or rule_smem_bytes(d, t, s + 1) > SMEM_MAX, \
+            f"{c}: one more stage would still fit"
+        assert t * BLOCK_K[d] * ELEMENT_BYTES[d] % 1024 == 0, "token slots stay 1024-byte aligned"
+    stages = {(c["dtype"], c["block_t"]): c["stages"] for c in configs}
+    assert stages == {("bf16", 16): 8, ("bf16", 32): 8, ("bf16", 64): 8, ("bf16", 128): 7,
+                      ("e4m3", 16): 8, ("e4m3", 32): 8, ("e4m3", 64): 8}
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location(
+        "generate_instantiations", ROOT / "tools" / "generate_instantiations.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_instantiations_cover_the_candidates(driver):
+    """Every tile the heuristic can return has an instantiation and a dispatch case, and the
+    committed csrc/instantiations/ is the generator's output."""
+    gen = _generator()
+    header = {d: tuple(c["block_t"] for c in tiles(driver) if c["dtype"] == d) for d in TILES}
+    assert {d: tiles_ for d, (_, tiles_) in gen.TOKEN_TILES.items()} == header
+    files = gen.render()
+    on_disk = {p.name: p.read_text() for p in gen.OUT.glob("*.cu")}
+    assert on_disk == files, "csrc/instantiations/ is stale: run tools/generate_instantiations.py"
+    dispatch = files["moe_gemm_swapab_sm90_dispatch.cu"]
+    for d, (enum, tiles_) in gen.TOKEN_TILES.items():
+        for t in tiles_:
+            assert f"moe_gemm_swapab_sm90<GemmDtype::{enum}, {t}>" in dispatch
+            assert f"moe_gemm_swapab_sm90_{d}_t{t}.cu" in files
