@@ -1,6 +1,7 @@
 """Run every CUDA op once on the edge-case shapes, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/sanitize_ops.py
+    ... python tools/sanitize_ops.py --gemm     (only the grouped GEMM and the cute layer)
 
 Every allocation is exact-size (no caching allocator), so an access one element past a buffer
 is caught. Shapes: 0, 1 and 3 tokens, a tile +- 1, experts with no tokens, all tokens on one
@@ -9,6 +10,8 @@ grouped GEMM (moe_grouped_gemm, cutlass_moe_mm) with N/K tails and ragged expert
 layer.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -112,13 +115,15 @@ def main():
                                      dtype=torch.int32, device=dev)),
         dict(T=8200, E=32, K=8, H=128, I=64),  # T*K > 65535
     ]
-    for c in cases:
+    for c in cases if "--gemm" not in sys.argv[1:] else []:
         layer_ops(**c)
         print("ok", {k: v for k, v in c.items() if k != "expert_map"},
               "expert_map" if "expert_map" in c else "")
     if torch.cuda.get_device_capability() == (9, 0):  # the grouped GEMM is sm_90a code
         for counts, n, k in (([1], 64, 64), ([0, 5, 0, 3], 72, 176), ([0, 0, 70], 200, 144),
-                             ([2] * 40, 128, 256)):
+                             ([2] * 40, 128, 256), ([10, 30, 0, 24], 128, 128),
+                             ([0, 130, 7], 136, 128), ([0, 300], 128, 128)):
+            # token tiles (heuristics/sm90.h): 16, 16, 64, 16, 32, 64, and 128 (FP8: 64)
             gemm_ops(counts, n, k)
             print("ok grouped gemm", dict(experts=len(counts), rows=sum(counts), n=n, k=k))
         for T, E, K in ((1, 8, 2), (40, 16, 4)):
