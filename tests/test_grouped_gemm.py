@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import gpu, seeded
-from test_heuristics import TILES, rule_token_tile
+from test_heuristics import TILES, rule_k_splits, rule_token_tile
 
 from hopper_moe import ops, reference
 
@@ -313,6 +313,54 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode):
         except AssertionError as err:
             failures.append(f"tile={tile} counts={counts}: {str(err).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+def test_cuda_k_split(dtype, a_mode, b_mode):
+    """Launches with so few CTAs that heuristics/sm90.h splits K (2 to 8 ways): partial sums
+    of every split added once, scales applied once, rows that no expert owns (here the last,
+    past offsets[E]) left untouched, N and K tails."""
+    kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
+    failures = []
+    for counts, extra, n, k in (([1, 0, 0, 1], 1, 512, 4096), ([0, 2, 1], 0, 200, 2064),
+                                ([1, 1], 0, 4096, 14336), ([3], 2, 72, 2064)):
+        m = sum(counts) + extra
+        splits = rule_k_splits(kernel_dtype, m, len(counts), n, k)
+        assert splits > 1, (counts, n, k)
+        a, b, offs, sa, sb = make_problem(counts + [extra], n, k, dtype, a_mode, b_mode,
+                                          seed=n + k, device="cuda")
+        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
+        if sb is not None:
+            sb = sb[:len(counts)].contiguous()
+        try:
+            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"counts={counts}+{extra} N={n} K={k} splits={splits}: "
+                            f"{str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+@gpu
+@sm90
+def test_cuda_graph_replay_with_k_split():
+    a, b, offs, _, _ = make_problem([1, 1, 1, 1], 512, 4096, device="cuda")
+    assert rule_k_splits("bf16", 4, 4, 512, 4096) == 8
+    out = torch.full((4, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ops.moe_grouped_gemm(a, b, offs, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_grouped_gemm(a, b, offs, out=out)
+    for counts in ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2]):
+        offs.copy_(offsets_from_counts(counts, "cuda"))
+        a.copy_(torch.randn_like(a, dtype=torch.float32).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, run(a, b, offs, None, None))
+        check_against_reference(out, a, b, offs, None, None)
 
 
 @gpu

@@ -1,9 +1,11 @@
-"""heuristics/sm90.h: the grouped GEMM's token tile and stage count, compiled with the system
-C++ compiler into a small driver and held to the rule recomputed here in Python.
+"""heuristics/sm90.h: the grouped GEMM's token tile, stage count and K split, compiled with the
+system C++ compiler into a small driver and held to the rule recomputed here in Python.
 
 The rule: the fullest expert is expected to get mean + 2.5 sqrt(mean) rows (mean = m_total /
 num_experts); the token tile is the smallest candidate that holds them, else the largest;
-each tile gets the most stages (<= 8) whose shared memory fits 227 KB.
+each tile gets the most stages (<= 8) whose shared memory fits 227 KB. K split: a launch has
+about ceil(N / 128) * max(min(E, m_total), ceil(m_total / tile)) CTAs with work; at most half
+the SMs' worth gets floor(sm_count / ctas) splits, capped at 8 and at one split per 8 k-tiles.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ BLOCK_K = {"bf16": 64, "e4m3": 128}
 ELEMENT_BYTES = {"bf16": 2, "e4m3": 1}
 SMEM_MAX = 227 * 1024
 MAX_STAGES = 8
+H200_SMS = 132
 
 
 def rule_token_tile(dtype: str, m_total: int, num_experts: int) -> int:
@@ -31,6 +34,17 @@ def rule_token_tile(dtype: str, m_total: int, num_experts: int) -> int:
     mean = m_total / max(num_experts, 1)
     rows = mean + 2.5 * math.sqrt(mean)
     return next((t for t in TILES[dtype] if rows <= t), TILES[dtype][-1])
+
+
+def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
+                  sm_count: int = H200_SMS) -> int:
+    """The K split the rule gives, computed independently of the header."""
+    token_tiles = -(-m_total // rule_token_tile(dtype, m_total, num_experts))
+    ctas = -(-n // BLOCK_N) * max(min(num_experts, m_total), token_tiles)
+    if ctas <= 0 or 2 * ctas > sm_count:
+        return 1
+    k_tiles = -(-k // BLOCK_K[dtype])
+    return max(1, min(sm_count // ctas, 8, k_tiles // 8))
 
 
 def rule_smem_bytes(dtype: str, block_t: int, stages: int) -> int:
@@ -51,7 +65,7 @@ DRIVER = r"""
 using namespace hopper_moe::heuristics;
 
 // "tiles": the config of every candidate tile, one line each. Otherwise one query per stdin
-// line, "<bf16|e4m3> <m_total> <num_experts> <n> <k>", answered by the chosen config.
+// line, "<bf16|e4m3> <m_total> <num_experts> <n> <k> <sm_count>", answered by the chosen config.
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "tiles") == 0) {
     for (int t : kTokenTilesBf16) std::puts(swapab_config(GemmDtype::kBf16, t).to_string().c_str());
@@ -60,10 +74,12 @@ int main(int argc, char** argv) {
   }
   char dtype[8];
   long long m_total;
-  int num_experts, n, k;
-  while (std::scanf("%7s %lld %d %d %d", dtype, &m_total, &num_experts, &n, &k) == 5) {
+  int num_experts, n, k, sm_count;
+  while (std::scanf("%7s %lld %d %d %d %d", dtype, &m_total, &num_experts, &n, &k,
+                    &sm_count) == 6) {
     const GemmDtype d = std::strcmp(dtype, "bf16") == 0 ? GemmDtype::kBf16 : GemmDtype::kE4m3;
-    std::puts(choose_grouped_gemm_sm90(d, m_total, num_experts, n, k).to_string().c_str());
+    std::puts(
+        choose_grouped_gemm_sm90(d, m_total, num_experts, n, k, sm_count).to_string().c_str());
   }
   return 0;
 }
@@ -89,9 +105,9 @@ def parse(line: str) -> dict:
     return {"dtype": dtype, **{k: int(v) for k, v in (f.split("=") for f in fields)}}
 
 
-def choose(driver, queries):
+def choose(driver, queries, sm_count=H200_SMS):
     """queries: (dtype, m_total, num_experts, n, k) -> the parsed configs, in order."""
-    stdin = "".join(" ".join(map(str, q)) + "\n" for q in queries)
+    stdin = "".join(" ".join(map(str, (*q, sm_count))) + "\n" for q in queries)
     out = subprocess.run([str(driver)], input=stdin, capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
     assert len(lines) == len(queries)
@@ -141,6 +157,42 @@ def test_matches_rule_and_is_monotonic(driver, dtype, num_experts):
     assert by_m == got[1::2], "N and K do not change the token tile"
     assert all(a <= b for a, b in zip(by_m, by_m[1:])), "token tile shrinks as m_total grows"
     assert set(by_m) == set(TILES[dtype]), "every candidate tile is chosen somewhere"
+
+
+# (dtype, m_total, num_experts, n, k) -> K splits on 132 SMs.
+K_SPLIT_POINTS = [
+    ("bf16", 2, 8, 4096, 14336, 2),    # mixtral GEMM2 at one token: 32 tiles x 2 experts
+    ("e4m3", 2, 8, 4096, 14336, 2),
+    ("bf16", 2, 8, 28672, 4096, 1),    # its GEMM1: 448 CTAs
+    ("bf16", 4, 8, 4096, 14336, 1),    # 128 CTAs: more than half the SMs
+    ("bf16", 8, 128, 2048, 768, 1),    # qwen3_30b GEMM2 at one token: 128 CTAs
+    ("bf16", 2, 8, 512, 4096, 8),      # 8 CTAs: capped at 8
+    ("bf16", 2, 8, 512, 1032, 2),      # 17 k-tiles: one split per 8
+    ("e4m3", 1, 8, 1024, 640, 1),      # 5 k-tiles: too few to split
+    ("bf16", 0, 8, 4096, 14336, 1),    # no rows
+    ("bf16", 10000, 1, 128, 4096, 1),  # one expert of 10000 rows: 79 token tiles
+    ("bf16", 300, 1, 128, 4096, 8),    # 3 token tiles of 128
+]
+
+
+def test_k_split_points(driver):
+    got = choose(driver, [q[:5] for q in K_SPLIT_POINTS])
+    for q, cfg in zip(K_SPLIT_POINTS, got):
+        assert rule_k_splits(*q[:5]) == q[5], q  # the table itself
+        assert cfg["k_splits"] == q[5], f"{q}: {cfg}"
+
+
+@pytest.mark.parametrize("sm_count", [78, 132])
+def test_k_splits_match_rule(driver, sm_count):
+    queries = [(d, m, e, n, k) for d in ("bf16", "e4m3") for m in (0, 1, 2, 3, 5, 16, 300)
+               for e in (1, 8, 128) for n in (64, 200, 1024, 4096, 28672)
+               for k in (64, 640, 4096, 14336)]
+    got = choose(driver, queries, sm_count)
+    for q, cfg in zip(queries, got):
+        assert cfg["k_splits"] == rule_k_splits(*q, sm_count=sm_count), f"{q}: {cfg}"
+        assert cfg["block_t"] == rule_token_tile(*q[:3]), f"{q}: {cfg}"
+        ctas = -(-q[3] // BLOCK_N) * max(min(q[2], q[1]), -(-q[1] // cfg["block_t"]))
+        assert cfg["k_splits"] == 1 or ctas * cfg["k_splits"] <= sm_count, "whole waves"
 
 
 def test_candidate_configs_fit_shared_memory(driver):

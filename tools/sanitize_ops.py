@@ -122,8 +122,10 @@ def main():
     if torch.cuda.get_device_capability() == (9, 0):  # the grouped GEMM is sm_90a code
         for counts, n, k in (([1], 64, 64), ([0, 5, 0, 3], 72, 176), ([0, 0, 70], 200, 144),
                              ([2] * 40, 128, 256), ([10, 30, 0, 24], 128, 128),
-                             ([0, 130, 7], 136, 128), ([0, 300], 128, 128)):
-            # token tiles (heuristics/sm90.h): 16, 16, 64, 16, 32, 64, and 128 (FP8: 64)
+                             ([0, 130, 7], 136, 128), ([0, 300], 128, 128),
+                             ([1, 0, 1], 520, 4104)):
+            # token tiles (heuristics/sm90.h): 16, 16, 64, 16, 32, 64, 128 (FP8: 64), and a
+            # K split (bf16 8 ways, FP8 4) with N and K tails
             gemm_ops(counts, n, k)
             print("ok grouped gemm", dict(experts=len(counts), rows=sum(counts), n=n, k=k))
         for T, E, K in ((1, 8, 2), (40, 16, 4)):

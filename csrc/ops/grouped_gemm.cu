@@ -1,10 +1,9 @@
 // CUDA launcher of moe_grouped_gemm: the SM90 swap-AB grouped GEMM (csrc/include/hopper_moe/gemm),
-// its token tile chosen per launch from the shapes (heuristics/sm90.h; the expert row counts
-// stay on the device). The kernel is sm_90a code (wgmma, TMA): other GPUs get a clear error
-// instead of a launch failure. The 16-token tile is validated on an H200 against the CPU
-// definition and the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and
-// per-token x per-channel, K = 14336, CUDA-graph replay with new offsets); the larger tiles'
-// test (test_cuda_every_token_tile) has not run on a GPU yet.
+// its token tile and K split chosen per launch from the shapes (heuristics/sm90.h; the expert
+// row counts stay on the device). The kernel is sm_90a code (wgmma, TMA): other GPUs get a
+// clear error instead of a launch failure. Validated on an H200 against the CPU definition and
+// the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and per-token x
+// per-channel, every token tile, K splits, K = 14336, CUDA-graph replay with new offsets).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -34,7 +33,14 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   const heuristics::GroupedGemmConfig config = heuristics::choose_grouped_gemm_sm90(
       a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
                                        : heuristics::GemmDtype::kE4m3,
-      a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)));
+      a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount);
+  // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
+  // graph capture keeps its own).
+  at::Tensor partial;
+  if (config.k_splits > 1) {
+    partial = at::empty({config.k_splits, a.size(0), b.size(1)},
+                        a.options().dtype(at::kFloat));
+  }
 
   gemm::MoeGemmArgs args;
   args.x = a.data_ptr();
@@ -48,6 +54,8 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   args.ldx = a.stride(0);
   args.ldo = out.stride(0);
   args.max_rows_per_expert = a.size(0);  // static bound: no read of the offsets on the host
+  args.k_splits = config.k_splits;
+  args.partial = config.k_splits > 1 ? partial.data_ptr<float>() : nullptr;
   if (a_scales) {
     args.a_scale = a_scales->data_ptr<float>();
     args.a_mode = a_scales->numel() == 1 ? gemm::ScaleMode::kPerTensor : gemm::ScaleMode::kPerRow;

@@ -7,8 +7,13 @@
 // rows the fullest expert is expected to get (heuristics/sm90.h), so a typical expert fits one
 // token tile; one with more rows takes several, each streaming its weights again.
 //
-// CTA (blockIdx.x = weight tile n0, .y = token tile t0, .z = expert e): one warpgroup of 128
-// threads. An expert with no rows in this token tile returns before touching shared memory.
+// CTA (blockIdx.x = weight tile n0, .y = token tile t0, .z = expert e * k_splits + K split):
+// one warpgroup of 128 threads. An expert with no rows in this token tile returns before
+// touching shared memory.
+// K split (k_splits > 1, chosen by the host when the launch has too few CTAs to fill the SMs,
+// e.g. two experts at decode): each CTA runs the k-tiles [split * per, (split + 1) * per) and
+// writes its scaled fp32 partial tile to partial[split, row, n]; a second kernel adds the
+// splits of every row an expert owns and writes out (rows no expert owns stay untouched).
 // Pipeline: kStages shared-memory slots, each holding a weight tile (kBlockN x kBlockK) and a
 // token tile (kBlockT x kBlockK), both K-major with the 128-byte swizzle wgmma reads.
 //   full[s]  transaction barrier: one elected thread arms it with the slot's byte count and
@@ -83,6 +88,7 @@ struct SwapAbConfig {
 
 struct SwapAbParams {
   void* out;
+  float* partial;  // [k_splits, m_total, n] fp32 (k_splits > 1 only)
   const int64_t* offsets;
   const float* a_scale;
   const float* b_scale;
@@ -92,6 +98,7 @@ struct SwapAbParams {
   int k;
   int64_t m_total;
   int64_t ldo;
+  int k_splits;
 };
 
 template <class Config, class Element, class TmaW, class TmaX, int kPromoteInterval>
@@ -106,7 +113,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   constexpr int kStages = size<2>(typename Config::SmemLayoutW{});
 
   // The expert's rows, clamped like the CPU definition: begin in [0, M], end in [begin, M].
-  const int expert = blockIdx.z;
+  const int expert = blockIdx.z / p.k_splits;
+  const int split = blockIdx.z % p.k_splits;
   const int64_t row_begin = cute::min(cute::max(p.offsets[expert], int64_t(0)), p.m_total);
   const int64_t rows =
       cute::min(cute::max(p.offsets[expert + 1], row_begin), p.m_total) - row_begin;
@@ -146,13 +154,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
   __syncthreads();
 
+  // This CTA's k-tiles [kt_begin, kt_end): all of K, or its split's share (may be empty,
+  // then the partial tile is zero). Pipeline slots count from kt_begin.
   const int k_tiles = (p.k + kBlockK - 1) / kBlockK;
-  int k_load = 0;
+  const int per_split = (k_tiles + p.k_splits - 1) / p.k_splits;
+  const int kt_begin = cute::min(split * per_split, k_tiles);
+  const int kt_end = cute::min(kt_begin + per_split, k_tiles);
+  int k_load = kt_begin;
   if (elected) {
-    for (; k_load < k_tiles && k_load < kStages; ++k_load) {
-      FullBarrier::arrive_and_expect_tx(&smem.full[k_load], Config::kTxBytes);
-      copy(tma_w.with(smem.full[k_load]), tWgW(_, k_load), tWsW(_, k_load));
-      copy(tma_x.with(smem.full[k_load]), tXgX(_, k_load), tXsX(_, k_load));
+    for (; k_load < kt_end && k_load - kt_begin < kStages; ++k_load) {
+      const int slot = k_load - kt_begin;
+      FullBarrier::arrive_and_expect_tx(&smem.full[slot], Config::kTxBytes);
+      copy(tma_w.with(smem.full[slot]), tWgW(_, k_load), tWsW(_, slot));
+      copy(tma_x.with(smem.full[slot]), tXgX(_, k_load), tXsX(_, slot));
     }
   }
 
@@ -177,7 +191,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto read = cutlass::PipelineState<kStages>();
   auto write = cutlass::PipelineState<kStages>();
 
-  for (int kt = 0; kt < k_tiles; ++kt) {
+  for (int kt = kt_begin; kt < kt_end; ++kt) {
     const int slot = read.index();
     FullBarrier::wait(&smem.full[slot], read.phase());
 
@@ -192,7 +206,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     ++read;
 
     if constexpr (kPromoteInterval > 0) {
-      if ((kt + 1) % kPromoteInterval == 0 || kt + 1 == k_tiles) {
+      if ((kt - kt_begin + 1) % kPromoteInterval == 0 || kt + 1 == kt_end) {
         CUTE_UNROLL
         for (int i = 0; i < size(acc); ++i) {
           total(i) += acc(i);
@@ -201,7 +215,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
     }
 
-    if (elected && k_load < k_tiles) {
+    if (elected && k_load < kt_end) {
       const int ws = write.index();
       EmptyBarrier::wait(&smem.empty[ws], write.phase());
       FullBarrier::arrive_and_expect_tx(&smem.full[ws], Config::kTxBytes);
@@ -216,8 +230,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     for (int i = 0; i < size(acc); ++i) total(i) = acc(i);
   }
 
-  // Epilogue: element (n, t) of the tile is out[row_begin + t0 + t, n0 + n].
+  // Epilogue: element (n, t) of the tile is out[row_begin + t0 + t, n0 + n] (with a K split:
+  // partial[split, row, n], scaled, since the scales are the same for every split).
   auto* out = static_cast<cutlass::bfloat16_t*>(p.out);
+  float* partial = p.partial + int64_t(split) * p.m_total * p.n;
   const float tensor_scale = (p.a_mode == ScaleMode::kPerTensor ? p.a_scale[0] : 1.0f) *
                              (p.b_mode == ScaleMode::kPerTensor ? p.b_scale[expert] : 1.0f);
   CUTE_UNROLL
@@ -229,12 +245,41 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       float v = total(i) * tensor_scale;
       if (p.b_mode == ScaleMode::kPerRow) v *= p.b_scale[int64_t(expert) * p.n + n];
       if (p.a_mode == ScaleMode::kPerRow) v *= p.a_scale[row];
-      out[row * p.ldo + n] = cutlass::bfloat16_t(v);
+      if (p.k_splits > 1) {
+        partial[row * p.n + n] = v;
+      } else {
+        out[row * p.ldo + n] = cutlass::bfloat16_t(v);
+      }
     }
   }
 }
 
-// Builds the TMA descriptors and launches one grid over (weight tiles, token tiles, experts).
+// Sum of the K splits: out[row, n] = bf16(sum_s partial[s, row, n]) for the rows each expert
+// owns (clamped as in the GEMM). CTA (blockIdx.x = column chunk, .y = block of kRows rows,
+// .z = expert): thread i adds column chunk * kThreads + i of kRows rows. A template so that
+// each instantiation's translation unit has its own weak copy.
+template <int kThreads, int kRows>
+__global__ void __launch_bounds__(kThreads)
+    moe_gemm_splitk_reduce_kernel(cutlass::bfloat16_t* out, int64_t ldo, const float* partial,
+                                  const int64_t* offsets, int64_t m_total, int n,
+                                  int k_splits) {
+  const int expert = blockIdx.z;
+  const int64_t row_begin = cute::min(cute::max(offsets[expert], int64_t(0)), m_total);
+  const int64_t rows =
+      cute::min(cute::max(offsets[expert + 1], row_begin), m_total) - row_begin;
+  const int col = blockIdx.x * kThreads + threadIdx.x;
+  const int64_t t0 = int64_t(blockIdx.y) * kRows;
+  if (t0 >= rows || col >= n) return;
+  for (int64_t t = t0; t < cute::min(t0 + kRows, rows); ++t) {
+    const int64_t row = row_begin + t;
+    float v = 0.0f;
+    for (int s = 0; s < k_splits; ++s) v += partial[(s * m_total + row) * n + col];
+    out[row * ldo + col] = cutlass::bfloat16_t(v);
+  }
+}
+
+// Builds the TMA descriptors and launches one grid over (weight tiles, token tiles, experts x
+// K splits), then, with a K split, the reduction of the partial tiles.
 template <class Element, int kBlockN, int kBlockT, int kBlockK, int kStages, int kPromoteInterval>
 cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   using namespace cute;
@@ -254,16 +299,29 @@ cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t strea
   auto tma_x = make_tma_atom(SM90_TMA_LOAD{}, mX, sX(_, _, 0),
                              make_shape(Int<kBlockT>{}, Int<kBlockK>{}));
 
-  SwapAbParams p{a.out, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
-                 a.n, a.k, a.m_total, a.ldo};
+  const int k_splits = a.k_splits > 1 ? a.k_splits : 1;
+  if (k_splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
+  SwapAbParams p{a.out, a.partial, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
+                 a.n, a.k, a.m_total, a.ldo, k_splits};
   auto kernel = &moe_gemm_swapab_sm90_kernel<Config, Element, decltype(tma_w), decltype(tma_x),
                                              kPromoteInterval>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Config::kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t t_tiles = (a.max_rows_per_expert + kBlockT - 1) / kBlockT;
-  dim3 grid((a.n + kBlockN - 1) / kBlockN, unsigned(t_tiles), unsigned(a.num_experts));
+  dim3 grid((a.n + kBlockN - 1) / kBlockN, unsigned(t_tiles),
+            unsigned(a.num_experts) * unsigned(k_splits));
   kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, tma_w, tma_x, a.num_experts);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || k_splits == 1) return err;
+  constexpr int kReduceThreads = 256, kReduceRows = 8;
+  dim3 reduce_grid((a.n + kReduceThreads - 1) / kReduceThreads,
+                   unsigned((a.max_rows_per_expert + kReduceRows - 1) / kReduceRows),
+                   unsigned(a.num_experts));
+  moe_gemm_splitk_reduce_kernel<kReduceThreads, kReduceRows>
+      <<<reduce_grid, kReduceThreads, 0, stream>>>(static_cast<cutlass::bfloat16_t*>(a.out),
+                                                    a.ldo, a.partial, a.offsets, a.m_total,
+                                                    a.n, k_splits);
   return cudaGetLastError();
 }
 

@@ -8,13 +8,14 @@
 //   out  [m_total, N]  bf16, row stride ldo
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
+// With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
+// go to `partial` and are added by a second kernel.
 //
 // Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and token tile, bf16
-// 16/32/64/128 and FP8 16/32/64 tokens, the tile chosen per launch by heuristics/sm90.h). The
-// 16-token tile is validated on an H200 through the ops moe_grouped_gemm and cutlass_moe_mm
-// (tests/test_grouped_gemm.py); the larger tiles are compiled without spills and their GPU
-// test (test_cuda_every_token_tile) has not run yet. No standard mapping or persistent
-// scheduler yet (benchmarks/NOTES.md, v3 measured and v6).
+// 16/32/64/128 and FP8 16/32/64 tokens, the tile and the K split chosen per launch by
+// heuristics/sm90.h) and validated on an H200 through the ops moe_grouped_gemm and
+// cutlass_moe_mm (tests/test_grouped_gemm.py). No standard mapping or persistent scheduler
+// yet (benchmarks/NOTES.md, v6 measured).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,6 +44,8 @@ struct MoeGemmArgs {
   int64_t ldx = 0;                    // row stride of x, elements (16-byte multiple for TMA)
   int64_t ldo = 0;                    // row stride of out, elements
   int64_t max_rows_per_expert = 0;    // static bound on offsets[e+1]-offsets[e] (grid size)
+  int k_splits = 1;                   // K split of each CTA's work (heuristics/sm90.h)
+  float* partial = nullptr;           // [k_splits, m_total, N] fp32 workspace if k_splits > 1
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`

@@ -14,6 +14,14 @@
 // bf16 stops at 128 tokens and FP8 at 64.
 // Stages: as many as fit the 227 KB of shared memory a CTA can have, at most 8 (v2's 8 stages
 // of 18 KB already keep far more bytes in flight per SM than HBM latency needs).
+// K split: at most min(E, m_total) experts have rows and at least ceil(m_total / block_t) token
+// tiles are needed, so a launch has about ceil(N / block_n) * max(min(E, m_total),
+// ceil(m_total / block_t)) CTAs with work (at decode: one token tile per active expert).
+// When that is at most half the SMs (one CTA fits an SM), the SMs without a CTA stream nothing:
+// mixtral's GEMM2 at one token has 32 weight tiles x 2 experts = 64 CTAs for 132 SMs. Then each
+// CTA's K range is split floor(sm_count / ctas) ways (whole waves), at most kMaxKSplits and
+// keeping >= kMinKTilesPerSplit k-tiles per split so the ring still fills; the fp32 partial
+// sums cost 4 bytes per output element and split, negligible at such sizes.
 #pragma once
 
 #include <cmath>
@@ -35,6 +43,8 @@ inline constexpr int kTokenTilesE4m3[] = {16, 32, 64};
 
 inline constexpr int kSmemBytesMax = 227 * 1024;  // dynamic shared memory of one SM90 CTA
 inline constexpr int kMaxStages = 8;
+inline constexpr int kMaxKSplits = 8;
+inline constexpr int kMinKTilesPerSplit = 8;
 
 // One instantiation of the swap-AB kernel: its template arguments and shared memory.
 struct GroupedGemmConfig {
@@ -45,13 +55,14 @@ struct GroupedGemmConfig {
   int stages = 0;            // shared-memory ring depth
   int promote_interval = 0;  // k-tiles between FP8 promotions to fp32 (0: bf16, none)
   int smem_bytes = 0;
+  int k_splits = 1;          // K ranges per CTA's work (a launch-time choice, not a template)
 
   std::string to_string() const {
     return std::string("grouped_gemm_sm90 ") + heuristics::to_string(dtype) +
            " block_n=" + std::to_string(block_n) + " block_t=" + std::to_string(block_t) +
            " block_k=" + std::to_string(block_k) + " stages=" + std::to_string(stages) +
            " promote_interval=" + std::to_string(promote_interval) +
-           " smem_bytes=" + std::to_string(smem_bytes);
+           " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits);
   }
 };
 
@@ -92,12 +103,20 @@ inline double expected_max_rows(int64_t m_total, int num_experts) {
   return mean + 2.5 * std::sqrt(mean);
 }
 
+// K ranges per CTA for a launch of at most `ctas` CTAs with work (see the header comment).
+inline int choose_k_splits(int64_t ctas, int k_tiles, int sm_count) {
+  if (ctas <= 0 || 2 * ctas > sm_count) return 1;
+  int64_t splits = sm_count / ctas;
+  if (splits > kMaxKSplits) splits = kMaxKSplits;
+  if (splits > k_tiles / kMinKTilesPerSplit) splits = k_tiles / kMinKTilesPerSplit;
+  return splits > 1 ? int(splits) : 1;
+}
+
 // The token tile and config for one launch. n and k do not enter the token tile: whatever the
-// weight shape, a second token tile of an expert streams all of its weights again.
+// weight shape, a second token tile of an expert streams all of its weights again. They, and
+// the GPU's SM count, decide the K split.
 inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_total,
-                                                  int num_experts, int n, int k) {
-  (void)n;
-  (void)k;
+                                                  int num_experts, int n, int k, int sm_count) {
   const double rows = expected_max_rows(m_total, num_experts);
   const int* tiles = dtype == GemmDtype::kBf16 ? kTokenTilesBf16 : kTokenTilesE4m3;
   const int count = dtype == GemmDtype::kBf16 ? int(std::size(kTokenTilesBf16))
@@ -109,7 +128,13 @@ inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_tot
       break;
     }
   }
-  return swapab_config(dtype, block_t);
+  GroupedGemmConfig c = swapab_config(dtype, block_t);
+  const int64_t active_experts = m_total < num_experts ? m_total : num_experts;
+  const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
+  const int64_t ctas = int64_t((n + c.block_n - 1) / c.block_n) *
+                       (active_experts > min_token_tiles ? active_experts : min_token_tiles);
+  c.k_splits = choose_k_splits(ctas, (k + c.block_k - 1) / c.block_k, sm_count);
+  return c;
 }
 
 }  // namespace hopper_moe::heuristics
