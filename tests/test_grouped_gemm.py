@@ -346,25 +346,6 @@ def test_cuda_k_split(dtype, a_mode, b_mode):
 
 @gpu
 @sm90
-def test_cuda_graph_replay_with_k_split():
-    a, b, offs, _, _ = make_problem([1, 1, 1, 1], 512, 4096, device="cuda")
-    assert rule_k_splits("bf16", 4, 4, 512, 4096) == 8
-    out = torch.full((4, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ops.moe_grouped_gemm(a, b, offs, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.moe_grouped_gemm(a, b, offs, out=out)
-    for counts in ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2]):
-        offs.copy_(offsets_from_counts(counts, "cuda"))
-        a.copy_(torch.randn_like(a, dtype=torch.float32).bfloat16())
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, run(a, b, offs, None, None))
-        check_against_reference(out, a, b, offs, None, None)
-
-
-@gpu
-@sm90
 def test_cuda_fp8_large_k_accumulation():
     """K = 14336 (mixtral's intermediate): the promoted fp32 accumulation keeps the error at
     the bf16 output's rounding."""
@@ -375,20 +356,26 @@ def test_cuda_fp8_large_k_accumulation():
 
 @gpu
 @sm90
-def test_cuda_graph_replay_with_new_offsets():
-    a, b, offs, _, _ = make_problem([3, 5, 0, 8], 128, 128, device="cuda")
-    out = torch.full((16, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("n,k,splits,replays", [
+    (128, 128, 1, ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4])),
+    (512, 4096, 8, ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2])),  # the K split's workspace
+])
+def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays):
+    m = sum(replays[0])
+    assert rule_k_splits("bf16", m, 4, n, k) == splits
+    a, b, offs, _, _ = make_problem(replays[-1], n, k, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     ops.moe_grouped_gemm(a, b, offs, out=out)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.moe_grouped_gemm(a, b, offs, out=out)
-    for counts in ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4]):
+    for counts in replays:
         offs.copy_(offsets_from_counts(counts, "cuda"))
         a.copy_(torch.randn_like(a, dtype=torch.float32).bfloat16())
         out.fill_(float("nan"))
         graph.replay()
-        eager = run(a, b, offs, None, None)
-        assert torch.equal(out, eager)
+        assert torch.equal(out, run(a, b, offs, None, None))
+        check_against_reference(out, a, b, offs, None, None)
 
 
 @gpu
