@@ -133,15 +133,17 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
     )
 
 
-def precision(quant) -> dict:
-    """Storage precision of this layer, as `reference.fused_experts_ref` keywords: GEMM1's
-    output is never stored (SiLU*mul in its epilogue); the SiLU*mul output is stored in bf16,
-    except with a static a2 scale, where the epilogue quantizes it straight to FP8; GEMM2's
-    output is stored in bf16 before the top-k sum."""
+def precision(quant, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Storage precision of this layer for hidden states of `dtype`, as
+    `reference.fused_experts_ref` keywords: GEMM1's output is never stored (SiLU*mul in its
+    epilogue); the SiLU*mul output is stored in `dtype`, except with a static a2 scale, where
+    the epilogue quantizes it straight to FP8; GEMM2's output is stored in `dtype` before the
+    top-k sum (fp32 storage rounds nothing)."""
+    store = None if dtype == torch.float32 else dtype
     static_a2 = quant is not None and _quant_mode(quant) == _QUANT_TENSOR and \
         quant.a2_scale is not None
-    return dict(intermediate_dtype=torch.bfloat16, gemm1_dtype=None,
-                act_dtype=None if static_a2 else torch.bfloat16)
+    return dict(intermediate_dtype=store, gemm1_dtype=None,
+                act_dtype=None if static_a2 else store)
 
 
 def _identity_map(num_experts: int, device: torch.device) -> torch.Tensor:

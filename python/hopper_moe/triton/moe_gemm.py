@@ -26,8 +26,8 @@ Fused SiLU*mul (FUSE_SILU, GEMM1 only): B is w1 [E, 2I, K] (gate rows, then up r
 program computes BLOCK_N pre-activation columns as BLOCK_N / 2 (gate, up) pairs: column 2j of
 the tile is gate row n0 + j, column 2j + 1 up row I + n0 + j. The epilogue splits the pairs,
 stores silu(gate) * up as C [slots, I] (BLOCK_N / 2 columns) and never writes the [slots, 2I]
-GEMM1 output: that saves writing it and reading it back (2I x 2 + I x 2 bytes per slot of HBM
-traffic and one launch). OUT_FP8 quantizes the result with a static scale (out_scale, as
+GEMM1 output: per slot and bf16 that is 8I bytes less HBM traffic (4I written and read back,
+and the SiLU*mul pass's own 2I written, against the 2I this C takes) and one launch fewer. OUT_FP8 quantizes the result with a static scale (out_scale, as
 x * (1 / s)); AMAX_OUT atomically maxes amax / 448 of the stored values into out_scale, which
 the caller initialized to the dynamic scale's floor: out_scale then is the dynamic per-tensor
 scale of C, so the quantization of C needs no amax pass of its own.
