@@ -206,6 +206,17 @@ def test_gemm1_silu_epilogue(swap_ab, out):
         assert scale.item() == max((stored_amax / FP8_MAX).item(), FP8_MIN_SCALE)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor_static", "fp8_channel"])
+def test_stage_hook_reports_every_stage_in_order(scheme):
+    """fused_experts_triton(stage_done=...) names each stage once, in launch order, and the
+    hook changes nothing in the result."""
+    x, w1, w2, w, ids, quant, _ = make_layer(6, 4, 2, 128, 64, scheme, DEVICE, seed=8)
+    seen = []
+    out = fused_experts_triton(x, w1, w2, w, ids, quant=quant, stage_done=seen.append)
+    assert seen == ["align", "quant1", "gemm1", "quant2", "gemm2", "sum"]
+    assert torch.equal(out, fused_experts_triton(x, w1, w2, w, ids, quant=quant))
+
+
 FUZZ_SHARDS, FUZZ_CASES_PER_SHARD = 10, 100  # 1,000 seeded cases, in shards that run in parallel
 
 

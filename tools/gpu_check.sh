@@ -2,7 +2,7 @@
 # One call on a GPU machine: build, GPU test suite, benchmarks, sanitizer; logs under $OUT.
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
-#   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|tune|sanitize|cmake ...]
+#   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|stages|tune|sanitize|cmake ...]
 #   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,11 @@ for step in $steps; do
       python3 benchmarks/bench_moe.py ${BENCH_ARGS:---shapes ${BENCH_SHAPES:-mixtral,qwen3_30b} --plot} \
         --out $res 2>&1 | tee "$OUT/bench_moe.log" | tail -60
       tar czf "$OUT/results.tgz" -C $res . ;;
+    stages)
+      # The Triton layer stage by stage, replay by replay (benchmarks/bench_stages.py);
+      # STAGES_ARGS replaces its arguments.
+      python3 benchmarks/bench_stages.py ${STAGES_ARGS:---shape mixtral --dtype bf16 --m 1024 --iters 200} \
+        --out "$OUT" 2>&1 | tee "$OUT/bench_stages.log" | tail -30 ;;
     tune)
       # Tuned Triton tables (hopper_moe.tune, quick space, configs compiled in TUNE_JOBS
       # processes first) for each shape:scheme pair of TUNE_PAIRS, into one archive (copy its

@@ -155,8 +155,13 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          apply_router_weight_on_input: bool = False,
                          global_num_experts: int = -1,
                          expert_map: torch.Tensor | None = None,
-                         quant=None) -> torch.Tensor:
-    """[M, H] -> [M, H] through the experts chosen by topk_ids, with Triton GEMMs."""
+                         quant=None, stage_done=None) -> torch.Tensor:
+    """[M, H] -> [M, H] through the experts chosen by topk_ids, with Triton GEMMs.
+
+    stage_done: called with each stage's name once its launches are enqueued ("align",
+    "quant1", "gemm1", "quant2", "gemm2", "sum"; benchmarks/bench_stages.py records an event
+    there)."""
+    mark = stage_done if stage_done is not None else (lambda name: None)
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts = w1.shape[0] if global_num_experts == -1 else global_num_experts
@@ -172,6 +177,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme)
     routing = Routing(topk_ids.contiguous(), expert_map, num_experts, cfg["BLOCK_M"],
                       aligned=not cfg.get("ONE_SLOT_PER_BLOCK", False))
+    mark("align")
 
     x = hidden_states
     if apply_router_weight_on_input:
@@ -182,6 +188,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     else:
         a1, a1_s, asm, ask = _quantize_act(x, quant, quant.a1_scale)
         a1_st = (asm, ask)
+    mark("quant1")
     # GEMM1 applies SiLU*mul in its epilogue: act [slots, I] is its only output. Rows of
     # slots that are never placed (ids outside [0, num_experts)) stay unwritten; GEMM2 never
     # reads them, and a dynamic per-tensor scale is the amax of the written rows only.
@@ -191,6 +198,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         a2 = torch.empty((num_slots, inter), dtype=ops.FP8_DTYPE, device=x.device)
         invoke_moe_gemm(a1, w1, a2, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
                         num_slots, quant, False, cfg, fuse_silu=True, out_scale=quant.a2_scale)
+        mark("gemm1")
         a2_s, a2_st = quant.a2_scale, (0, 0)
     else:
         act = torch.empty((num_slots, inter), dtype=out_dtype, device=x.device)
@@ -200,6 +208,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         invoke_moe_gemm(a1, w1, act, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
                         num_slots, quant, False, cfg, fuse_silu=True, out_scale=a2_s,
                         amax_out=dynamic_q2)
+        mark("gemm1")
         if mode == _QUANT_NONE:
             a2, a2_st = act, (0, 0)
         elif dynamic_q2:
@@ -208,12 +217,15 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
         else:
             a2, a2_s, asm, ask = _quantize_act(act, quant, None)
             a2_st = (asm, ask)
+    mark("quant2")
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
     invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
                     topk_weights, routing, 1, num_slots, quant,
                     not apply_router_weight_on_input, cfg)
+    mark("gemm2")
     # Slots with an id outside [0, num_experts) were never placed, so their rows of cache2 are
     # unwritten; an identity map makes moe_sum skip them as it skips non-local experts.
     sum_map = expert_map if expert_map is not None else _identity_map(num_experts, x.device)
     ops.moe_sum(cache2.view(num_tokens, top_k, hidden), out, topk_ids, sum_map)
+    mark("sum")
     return out
