@@ -155,9 +155,7 @@ def main(argv=None) -> int:
         x = C.make_hidden(m, shape.hidden_size, device, seed=args.seed + 1)
 
         def layer(clock, x=x, tw=tw, ti=ti):
-            if clock is not None:
-                return fused_experts_triton(x, w1, w2, tw, ti, quant=quant, stage_done=clock)
-            return fused_experts_triton(x, w1, w2, tw, ti, quant=quant)
+            return fused_experts_triton(x, w1, w2, tw, ti, quant=quant, stage_done=clock)
 
         graph_timing, _ = C.time_fn(lambda: layer(None), device, iters=args.iters,
                                     warmup=args.warmup, evict=C.L2Evictor(device)

@@ -22,8 +22,8 @@ from test_fused_moe import check_close
 from hopper_moe import reference
 from hopper_moe.quant import make_quant_config
 from hopper_moe.triton import configs as triton_configs
-from hopper_moe.triton import fused_moe as triton_fused_moe
 from hopper_moe.triton.fused_moe import fused_experts_triton
+from hopper_moe.triton.fused_moe import precision as triton_precision
 
 SCHEMES = ["bf16", "fp8_tensor", "fp8_tensor_static", "fp8_channel", "fp8_block"]
 
@@ -50,12 +50,6 @@ def make_layer(M, E, topk, H, I, scheme, device, seed, expert_map=None, skew=Fal
         quant = type(quant)(**{f: (to(v) if isinstance(v, torch.Tensor) else v)
                                for f, v in quant.__dict__.items()})
     return to(x), to(w1), to(w2), to(weights), to(ids), quant, to(expert_map)
-
-
-def triton_precision(quant) -> dict:
-    """The layer's storage precision model (GEMM1 output never stored, SiLU*mul output in
-    bf16 unless quantized in GEMM1's epilogue, GEMM2 output in bf16)."""
-    return triton_fused_moe.precision(quant)
 
 
 def check(out, ref, scheme):

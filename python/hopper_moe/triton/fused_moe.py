@@ -192,31 +192,28 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     # GEMM1 applies SiLU*mul in its epilogue: act [slots, I] is its only output. Rows of
     # slots that are never placed (ids outside [0, num_experts)) stay unwritten; GEMM2 never
     # reads them, and a dynamic per-tensor scale is the amax of the written rows only.
-    inter = inter2 // 2
-    w1_s = None if mode == _QUANT_NONE else quant.w1_scale
-    if mode == _QUANT_TENSOR and quant.a2_scale is not None:
-        a2 = torch.empty((num_slots, inter), dtype=ops.FP8_DTYPE, device=x.device)
-        invoke_moe_gemm(a1, w1, a2, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
-                        num_slots, quant, False, cfg, fuse_silu=True, out_scale=quant.a2_scale)
-        mark("gemm1")
-        a2_s, a2_st = quant.a2_scale, (0, 0)
+    static_q2 = mode == _QUANT_TENSOR and quant.a2_scale is not None
+    dynamic_q2 = mode == _QUANT_TENSOR and quant.a2_scale is None
+    if static_q2:
+        act_scale = quant.a2_scale  # the epilogue writes FP8 with it
+    elif dynamic_q2:  # the epilogue maxes amax / 448 into the floor: the dynamic scale
+        act_scale = torch.full((1,), FP8_MIN_SCALE, dtype=torch.float32, device=x.device)
     else:
-        act = torch.empty((num_slots, inter), dtype=out_dtype, device=x.device)
-        dynamic_q2 = mode == _QUANT_TENSOR
-        a2_s = torch.full((1,), FP8_MIN_SCALE, dtype=torch.float32, device=x.device) \
-            if dynamic_q2 else None
-        invoke_moe_gemm(a1, w1, act, a1_s, a1_st, w1_s, topk_weights, routing, top_k,
-                        num_slots, quant, False, cfg, fuse_silu=True, out_scale=a2_s,
-                        amax_out=dynamic_q2)
-        mark("gemm1")
-        if mode == _QUANT_NONE:
-            a2, a2_st = act, (0, 0)
-        elif dynamic_q2:
-            a2, _ = ops.scaled_fp8_quant(act, a2_s)  # the scale GEMM1 computed
-            a2_st = (0, 0)
-        else:
-            a2, a2_s, asm, ask = _quantize_act(act, quant, None)
-            a2_st = (asm, ask)
+        act_scale = None
+    act = torch.empty((num_slots, inter2 // 2), dtype=ops.FP8_DTYPE if static_q2 else out_dtype,
+                      device=x.device)
+    invoke_moe_gemm(a1, w1, act, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
+                    topk_weights, routing, top_k, num_slots, quant, False, cfg, fuse_silu=True,
+                    out_scale=act_scale, amax_out=dynamic_q2)
+    mark("gemm1")
+    if mode == _QUANT_NONE or static_q2:
+        a2, a2_s, a2_st = act, act_scale, (0, 0)
+    elif dynamic_q2:
+        a2, a2_s = ops.scaled_fp8_quant(act, act_scale)
+        a2_st = (0, 0)
+    else:
+        a2, a2_s, asm, ask = _quantize_act(act, quant, None)
+        a2_st = (asm, ask)
     mark("quant2")
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
     invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
