@@ -321,13 +321,13 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode):
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
 def test_cuda_k_split(dtype, a_mode, b_mode):
-    """Launches with so few CTAs that heuristics/sm90.h splits K (2 to 8 ways): partial sums
+    """Launches with so few units that heuristics/sm90.h splits K (2 to 4 ways): partial sums
     of every split added once, scales applied once, rows that no expert owns (here the last,
     past offsets[E]) left untouched, N and K tails."""
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     failures = []
-    for counts, extra, n, k in (([1, 0, 0, 1], 1, 512, 4096), ([0, 2, 1], 0, 200, 2064),
-                                ([1, 1], 0, 4096, 14336), ([3], 2, 72, 2064)):
+    for counts, extra, n, k in (([1, 0, 0, 1], 1, 512, 8192), ([0, 2, 1], 0, 200, 8208),
+                                ([1, 1], 0, 4096, 14336), ([3], 2, 72, 8208)):
         m = sum(counts) + extra
         splits = rule_k_splits(kernel_dtype, m, len(counts), n, k)
         assert splits > 1, (counts, n, k)
@@ -346,6 +346,49 @@ def test_cuda_k_split(dtype, a_mode, b_mode):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+def test_cuda_persistent_units(dtype, a_mode, b_mode):
+    """The persistent scheduler: launches with many units per CTA (256 experts x 8 weight
+    tiles; 1024 experts, the prefix table's capacity, most of them empty; one expert with
+    hundreds of rows, so dozens of token tiles, next to an empty one), a column count that is
+    not a multiple of 8 (element stores) and an output row stride that is not either (a view
+    into a wider buffer, whose extra columns must stay untouched)."""
+    rng = random.Random(21)
+    failures = []
+    for e, m_tot, n, k, pad in ((256, 512, 1024, 256, 0), (1024, 64, 64, 128, 0),
+                                (3, 2500, 100, 256, 0), (8, 300, 256, 512, 3)):
+        counts = [0] * e
+        if e == 3:
+            counts = [1500, 0, 1000]
+        else:
+            for _ in range(m_tot):
+                counts[rng.randrange(e)] += 1
+        a, b, offs, sa, sb = make_problem(counts, n, k, dtype, a_mode, b_mode, seed=e,
+                                          device="cuda")
+        buf = torch.full((a.shape[0], n + pad), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+        out = buf[:, :n]
+        ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out)
+        try:
+            assert torch.isnan(buf[:, n:]).all(), "columns past N stay untouched"
+            check_against_reference(out, a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"E={e} M={m_tot} N={n} K={k} pad={pad}: "
+                            f"{str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+@gpu
+@sm90
+def test_cuda_rejects_more_experts_than_the_table():
+    a, b, offs, _, _ = make_problem([1] + [0] * 1024, 64, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="at most 1024 experts"):
+        run(a, b, offs, None, None)
+
+
+@gpu
+@sm90
 def test_cuda_fp8_large_k_accumulation():
     """K = 14336 (mixtral's intermediate): the promoted fp32 accumulation keeps the error at
     the bf16 output's rounding."""
@@ -358,7 +401,7 @@ def test_cuda_fp8_large_k_accumulation():
 @sm90
 @pytest.mark.parametrize("n,k,splits,replays", [
     (128, 128, 1, ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4])),
-    (512, 4096, 8, ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2])),  # the K split's workspace
+    (512, 8192, 4, ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2])),  # the K split's workspace
 ])
 def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays):
     m = sum(replays[0])

@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstdlib>
+
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
@@ -26,14 +28,25 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
            a.device().index(), " has ", prop->major, ".", prop->minor);
+  HM_CHECK(kOp, b.size(0) <= heuristics::kMaxExperts,
+           "the CUDA kernel takes at most ", heuristics::kMaxExperts,
+           " experts (b.size(0)); got ", b.size(0));
   if (a.size(0) == 0 || b.size(0) == 0 || b.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
-  const heuristics::GroupedGemmConfig config = heuristics::choose_grouped_gemm_sm90(
+  heuristics::GroupedGemmConfig config = heuristics::choose_grouped_gemm_sm90(
       a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
                                        : heuristics::GemmDtype::kE4m3,
       a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount);
+  // HOPPER_MOE_CUTE_K_SPLITS=s (1..8) replaces the heuristic's K split, for measuring it.
+  if (const char* env = std::getenv("HOPPER_MOE_CUTE_K_SPLITS"); env != nullptr && *env) {
+    const int s = std::atoi(env);
+    HM_CHECK(kOp, s >= 1 && s <= heuristics::kMaxKSplits,
+             "HOPPER_MOE_CUTE_K_SPLITS must be in [1, ", heuristics::kMaxKSplits, "] (got '",
+             env, "')");
+    config.k_splits = s;
+  }
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
@@ -56,6 +69,7 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   args.max_rows_per_expert = a.size(0);  // static bound: no read of the offsets on the host
   args.k_splits = config.k_splits;
   args.partial = config.k_splits > 1 ? partial.data_ptr<float>() : nullptr;
+  args.sm_count = prop->multiProcessorCount;
   if (a_scales) {
     args.a_scale = a_scales->data_ptr<float>();
     args.a_mode = a_scales->numel() == 1 ? gemm::ScaleMode::kPerTensor : gemm::ScaleMode::kPerRow;

@@ -14,8 +14,10 @@
 // Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and token tile, bf16
 // 16/32/64/128 and FP8 16/32/64 tokens, the tile and the K split chosen per launch by
 // heuristics/sm90.h) and validated on an H200 through the ops moe_grouped_gemm and
-// cutlass_moe_mm (tests/test_grouped_gemm.py). No standard mapping or persistent scheduler
-// yet (benchmarks/NOTES.md, v6 measured).
+// cutlass_moe_mm (tests/test_grouped_gemm.py). Persistent and warp-specialized (a TMA
+// producer warpgroup, two wgmma consumer warpgroups) over the units of the experts that have
+// rows, for at most heuristics::kMaxExperts experts. No standard mapping yet
+// (benchmarks/NOTES.md).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,6 +48,7 @@ struct MoeGemmArgs {
   int64_t max_rows_per_expert = 0;    // static bound on offsets[e+1]-offsets[e] (grid size)
   int k_splits = 1;                   // K split of each CTA's work (heuristics/sm90.h)
   float* partial = nullptr;           // [k_splits, m_total, N] fp32 workspace if k_splits > 1
+  int sm_count = 0;                   // SMs of the device: the persistent grid's size bound
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`

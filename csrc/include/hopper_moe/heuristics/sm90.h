@@ -9,19 +9,26 @@
 // is sized to the rows the fullest expert is expected to get under uniform routing,
 // mean + 2.5 sqrt(mean) with mean = m_total / num_experts (exceeded by ~0.6% of experts; the
 // rule of python/hopper_moe/triton/configs.py `expected_max_rows`), rounded up to a candidate.
-// The candidates stop where the accumulator would spill: a 128 x kBlockT fp32 tile over 128
-// threads is kBlockT registers per thread, and FP8 keeps a second one for the promotion, so
-// bf16 stops at 128 tokens and FP8 at 64.
-// Stages: as many as fit the 227 KB of shared memory a CTA can have, at most 8 (v2's 8 stages
-// of 18 KB already keep far more bytes in flight per SM than HBM latency needs).
-// K split: at most min(E, m_total) experts have rows and at least ceil(m_total / block_t) token
-// tiles are needed, so a launch has about ceil(N / block_n) * max(min(E, m_total),
-// ceil(m_total / block_t)) CTAs with work (at decode: one token tile per active expert).
-// When that is at most half the SMs (one CTA fits an SM), the SMs without a CTA stream nothing:
-// mixtral's GEMM2 at one token has 32 weight tiles x 2 experts = 64 CTAs for 132 SMs. Then each
-// CTA's K range is split floor(sm_count / ctas) ways (whole waves), at most kMaxKSplits and
-// keeping >= kMinKTilesPerSplit k-tiles per split so the ring still fills; the fp32 partial
-// sums cost 4 bytes per output element and split, negligible at such sizes.
+// The candidates stop at bf16 128 and FP8 64 tokens, where v8's single consumer warpgroup
+// (kBlockT fp32 accumulator registers per thread, twice for FP8's promotion) would spill; with
+// two consumer warpgroups a 128 x kBlockT tile is kBlockT / 2 registers per thread, so larger
+// tiles would fit but have no instantiation yet.
+// Stages: as many as fit the 227 KB of shared memory a CTA can have, at most 12. One CTA per
+// SM streams a decode launch's weights, so the bytes it keeps in flight bound its bandwidth
+// (v9: 8 stages of 18 KB); the small token tiles get 10-12 stages.
+// K split: E (1 - (1 - 1/E)^m_total) experts are expected to have rows (uniform routing) and
+// at least ceil(m_total / block_t) token tiles are needed, so a launch has about
+// ceil(N / block_n) * max(active experts, ceil(m_total / block_t)) full-K units. The persistent
+// grid (one CTA per SM) runs them in ceil(units / sm_count) waves, the last one partial:
+// mixtral's GEMM2 at four tokens has 5 x 32 = 160 units for 132 SMs, 1.21 waves of work in 2.
+// Cutting each unit's K range s ways makes the waves ceil(units * s / sm_count) / s (160 units,
+// s = 4: 1.25). Measured per GEMM (benchmarks/NOTES.md, v10), the waves count where a launch
+// has under two waves of units; past that the SMs of the last wave stream faster and the
+// split buys nothing (mixtral GEMM1 at one token, 448 units: 126.4 us unsplit, 124.9 split 2
+// ways, 126.1 4 ways) or loses the reduction's launch. So: no split from kKSplitMaxWaves waves
+// up; below, the fewest splits within 3% of the best s <= kMaxKSplits, keeping >=
+// kMinKTilesPerSplit k-tiles (4 KB of each weight row) per split: below that the reduction
+// launch costs more than the waves save (qwen3_30b, K = 2048: 24.3 us unsplit, 26.9 in 2).
 #pragma once
 
 #include <cmath>
@@ -42,9 +49,11 @@ inline constexpr int kTokenTilesBf16[] = {16, 32, 64, 128};
 inline constexpr int kTokenTilesE4m3[] = {16, 32, 64};
 
 inline constexpr int kSmemBytesMax = 227 * 1024;  // dynamic shared memory of one SM90 CTA
-inline constexpr int kMaxStages = 8;
+inline constexpr int kMaxStages = 12;
 inline constexpr int kMaxKSplits = 8;
-inline constexpr int kMinKTilesPerSplit = 8;
+inline constexpr int kMinKTilesPerSplit = 32;
+inline constexpr int kKSplitMaxWaves = 2;  // launches with more units never split
+inline constexpr int kKSplitSlackPct = 3;  // a split must buy more than this much time
 
 // One instantiation of the swap-AB kernel: its template arguments and shared memory.
 struct GroupedGemmConfig {
@@ -68,15 +77,20 @@ struct GroupedGemmConfig {
 
 constexpr int element_bytes(GemmDtype dtype) { return dtype == GemmDtype::kBf16 ? 2 : 1; }
 
-// The kernel's SharedStorage: weight ring and token ring, each 1024-byte aligned, then a full
-// and an empty barrier per stage, the whole rounded up to its 1024-byte alignment. The kernel
-// static_asserts that this equals sizeof(SharedStorage).
+// The kernel's SharedStorage: weight ring and token ring, each 1024-byte aligned; the
+// epilogue's bf16 tile (block_t rows of block_n + kEpiloguePad elements); a full and an empty
+// barrier per stage; the per-expert token-tile prefix table (kMaxExperts + 1 ints); the whole
+// rounded up to its 1024-byte alignment. The kernel static_asserts that this equals
+// sizeof(SharedStorage).
+inline constexpr int kMaxExperts = 1024;   // the prefix table's capacity (the op checks E)
+inline constexpr int kEpiloguePad = 8;     // bf16 elements after each epilogue row: 16 bytes
 constexpr int swapab_smem_bytes(GemmDtype dtype, int block_n, int block_t, int block_k,
                                 int stages) {
   const auto align = [](int bytes) { return (bytes + 1023) / 1024 * 1024; };
   const int w = align(stages * block_n * block_k * element_bytes(dtype));
   const int x = align(stages * block_t * block_k * element_bytes(dtype));
-  return align(w + x + 2 * stages * 8);
+  const int c = block_t * (block_n + kEpiloguePad) * 2;
+  return align(w + x + c + 2 * stages * 8 + (kMaxExperts + 1) * 4);
 }
 
 // The full config of the instantiation for (dtype, token tile).
@@ -103,13 +117,45 @@ inline double expected_max_rows(int64_t m_total, int num_experts) {
   return mean + 2.5 * std::sqrt(mean);
 }
 
-// K ranges per CTA for a launch of at most `ctas` CTAs with work (see the header comment).
-inline int choose_k_splits(int64_t ctas, int k_tiles, int sm_count) {
-  if (ctas <= 0 || 2 * ctas > sm_count) return 1;
-  int64_t splits = sm_count / ctas;
-  if (splits > kMaxKSplits) splits = kMaxKSplits;
-  if (splits > k_tiles / kMinKTilesPerSplit) splits = k_tiles / kMinKTilesPerSplit;
-  return splits > 1 ? int(splits) : 1;
+// Waves of full-K units when `units` units run on `sm_count` SMs, each cut `splits` ways: the
+// persistent grid's time is ceil(units * splits / sm_count) split units, 1 / splits of a
+// full-K unit each. Kept as the fraction (numerator, denominator) so the comparison is exact.
+struct Waves {
+  int64_t num;
+  int64_t den;
+};
+inline Waves k_split_waves(int64_t units, int64_t splits, int sm_count) {
+  return {(units * splits + sm_count - 1) / sm_count, splits};
+}
+
+// K ranges per unit for a launch of about `units` full-K units (see the header comment): none
+// when the units fill at least kKSplitMaxWaves waves; otherwise the fewest splits whose waves
+// are within kKSplitSlackPct of the best count up to the caps.
+inline int choose_k_splits(int64_t units, int k_tiles, int sm_count) {
+  if (units <= 0 || sm_count <= 0 || units >= kKSplitMaxWaves * int64_t(sm_count)) return 1;
+  int64_t max_splits = kMaxKSplits;
+  if (max_splits > k_tiles / kMinKTilesPerSplit) max_splits = k_tiles / kMinKTilesPerSplit;
+  if (max_splits <= 1) return 1;
+  Waves best = k_split_waves(units, 1, sm_count);
+  for (int64_t s = 2; s <= max_splits; ++s) {
+    const Waves w = k_split_waves(units, s, sm_count);
+    if (w.num * best.den < best.num * w.den) best = w;
+  }
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const Waves w = k_split_waves(units, s, sm_count);
+    if (100 * w.num * best.den <= (100 + kKSplitSlackPct) * best.num * w.den) return int(s);
+  }
+  return 1;  // not reached: the best count is within its own slack
+}
+
+// Experts expected to have rows when m_total rows are routed uniformly over num_experts:
+// E (1 - (1 - 1/E)^m_total), rounded to the nearest whole expert.
+inline int64_t expected_active_experts(int64_t m_total, int num_experts) {
+  if (m_total <= 0 || num_experts <= 0) return 0;
+  const double e = double(num_experts);
+  const double active = e * (1.0 - std::pow(1.0 - 1.0 / e, double(m_total)));
+  const int64_t rounded = int64_t(active + 0.5);
+  return rounded < 1 ? 1 : rounded;
 }
 
 // The token tile and config for one launch. n and k do not enter the token tile: whatever the
@@ -129,11 +175,11 @@ inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_tot
     }
   }
   GroupedGemmConfig c = swapab_config(dtype, block_t);
-  const int64_t active_experts = m_total < num_experts ? m_total : num_experts;
+  const int64_t active_experts = expected_active_experts(m_total, num_experts);
   const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
-  const int64_t ctas = int64_t((n + c.block_n - 1) / c.block_n) *
-                       (active_experts > min_token_tiles ? active_experts : min_token_tiles);
-  c.k_splits = choose_k_splits(ctas, (k + c.block_k - 1) / c.block_k, sm_count);
+  const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) *
+                        (active_experts > min_token_tiles ? active_experts : min_token_tiles);
+  c.k_splits = choose_k_splits(units, (k + c.block_k - 1) / c.block_k, sm_count);
   return c;
 }
 
