@@ -8,9 +8,10 @@ not slower.
 
 Current rows, from benchmarks/results/h200_moe.md (H200, mixtral and qwen3_30b, bf16 and FP8
 per-tensor, M = 1..4096; fp8_channel from h200_moe_v1.md):
-- CUDA bf16, fp8_tensor, fp8_channel: "triton" at every M: 1.07-3.9x faster than "torch"
-  and faster than "cute" at every M of that run (cute is within 1-4% of it for mixtral
-  M = 4..32 and far behind from M = 64 on: one 16-token tile, benchmarks/NOTES.md).
+- CUDA bf16, fp8_tensor, fp8_channel: "triton" at every M: 1.19-4.71x faster than "torch"
+  and faster than "cute" at every M of that run (cute's layer is 3-6% behind it for mixtral
+  bf16 M = 2..64, 11% at M = 1, and further behind from M = 256 on, where cute has no
+  standard mapping yet: benchmarks/NOTES.md, v11).
 - CUDA fp8_block: "torch" (the Triton block-FP8 layer is not benchmarked yet; cute has no
   block FP8).
 - CPU rows keep "torch".
