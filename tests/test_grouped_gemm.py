@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import gpu, seeded
-from test_heuristics import TILES, rule_k_splits, rule_token_tile
+from test_heuristics import TILES, rule_k_splits, rule_swap_ab, rule_token_tile
 
 from hopper_moe import ops, reference
 
@@ -381,6 +381,53 @@ def test_cuda_persistent_units(dtype, a_mode, b_mode):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+def test_cuda_standard_mapping(dtype, a_mode, b_mode, monkeypatch):
+    """The standard mapping (tokens on wgmma's A side), chosen where the fullest expert's rows
+    outgrow the swap-AB tiles: ragged experts of hundreds of rows (several 128-row token
+    tiles, the last partial, empty experts between), N not a multiple of the 256 / 128 weight
+    tile, a K tail; a K split of it (one expert, few units); then both mappings forced through
+    HOPPER_MOE_CUTE_MAPPING on the same small and large problems."""
+    kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
+    k = 1032 if dtype == "bf16" else 1040
+    problems = [([300, 0, 129, 513, 0, 7], 200, k), ([1000, 24], 384, k),
+                ([600], 136, 8208)]
+    failures = []
+    for counts, n, kk in problems:
+        assert not rule_swap_ab(kernel_dtype, sum(counts), len(counts)), counts
+    assert rule_k_splits(kernel_dtype, 600, 1, 136, 8208) > 1
+    forced = [("standard", [3, 0, 5, 1], 64, 128), ("swap_ab", [300, 0, 129, 513], 200, k),
+              ("standard", [300, 0, 129, 513], 200, k)]
+    cases = [(None, c, n, kk) for c, n, kk in problems] + forced
+    for mapping, counts, n, kk in cases:
+        if mapping is None:
+            monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING", raising=False)
+        else:
+            monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", mapping)
+        a, b, offs, sa, sb = make_problem(counts, n, kk, dtype, a_mode, b_mode, seed=n + kk,
+                                          device="cuda")
+        try:
+            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"mapping={mapping} counts={counts} N={n} K={kk}: "
+                            f"{str(err).splitlines()[0]}")
+    monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING", raising=False)
+    assert not failures, "\n".join(failures)
+
+
+@gpu
+@sm90
+def test_cuda_rejects_a_bad_mapping_override(monkeypatch):
+    monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", "sideways")
+    a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="HOPPER_MOE_CUTE_MAPPING must be swap_ab or standard"):
+        run(a, b, offs, None, None)
+
+
+@gpu
+@sm90
 def test_cuda_rejects_more_experts_than_the_table():
     a, b, offs, _, _ = make_problem([1] + [0] * 1024, 64, 64, device="cuda")
     with pytest.raises(RuntimeError, match="at most 1024 experts"):
@@ -402,6 +449,7 @@ def test_cuda_fp8_large_k_accumulation():
 @pytest.mark.parametrize("n,k,splits,replays", [
     (128, 128, 1, ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4])),
     (512, 8192, 4, ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2])),  # the K split's workspace
+    (256, 256, 1, ([600, 0, 0, 0], [0, 100, 499, 1], [150, 150, 150, 150])),  # standard
 ])
 def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays):
     m = sum(replays[0])

@@ -2,7 +2,9 @@
 system C++ compiler into a small driver and held to the rule recomputed here in Python.
 
 The rule: the fullest expert is expected to get mean + 2.5 sqrt(mean) rows (mean = m_total /
-num_experts); the token tile is the smallest candidate that holds them, else the largest;
+num_experts); the mapping is swap-AB while they fit the largest swap-AB token tile, whose
+token tile is then the smallest candidate that holds them; beyond, the standard mapping with
+128 token rows and 256 (bf16) / 128 (FP8) weight rows;
 each tile gets the most stages (<= 12) whose shared memory fits 227 KB. K split: a launch has
 about u = ceil(N / 128) * max(A, ceil(m_total / tile)) full-K units, A = round(E (1 - (1 -
 1/E)^m_total)) the experts expected to have rows, which the persistent grid runs in
@@ -23,8 +25,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 HEADER_DIR = ROOT / "csrc" / "include"
 
-TILES = {"bf16": (16, 32, 64, 128), "e4m3": (16, 32, 64)}
-BLOCK_N = 128
+TILES = {"bf16": (16, 32, 64, 128), "e4m3": (16, 32, 64)}  # swap-AB token tiles
+BLOCK_N = 128                                            # swap-AB weight tile
+STANDARD = {"bf16": (256, 128), "e4m3": (128, 128)}      # standard (block_n, block_t)
 BLOCK_K = {"bf16": 64, "e4m3": 128}
 ELEMENT_BYTES = {"bf16": 2, "e4m3": 1}
 SMEM_MAX = 227 * 1024
@@ -32,11 +35,25 @@ MAX_STAGES = 12
 H200_SMS = 132
 
 
+def expected_max_rows(m_total: int, num_experts: int) -> float:
+    mean = m_total / max(num_experts, 1)
+    return mean + 2.5 * math.sqrt(mean)
+
+
+def rule_swap_ab(dtype: str, m_total: int, num_experts: int) -> bool:
+    return expected_max_rows(m_total, num_experts) <= TILES[dtype][-1]
+
+
 def rule_token_tile(dtype: str, m_total: int, num_experts: int) -> int:
     """The token tile the rule gives, computed independently of the header."""
-    mean = m_total / max(num_experts, 1)
-    rows = mean + 2.5 * math.sqrt(mean)
-    return next((t for t in TILES[dtype] if rows <= t), TILES[dtype][-1])
+    if not rule_swap_ab(dtype, m_total, num_experts):
+        return STANDARD[dtype][1]
+    rows = expected_max_rows(m_total, num_experts)
+    return next(t for t in TILES[dtype] if rows <= t)
+
+
+def rule_block_n(dtype: str, m_total: int, num_experts: int) -> int:
+    return BLOCK_N if rule_swap_ab(dtype, m_total, num_experts) else STANDARD[dtype][0]
 
 
 def waves(units: int, splits: int, sm_count: int) -> Fraction:
@@ -52,7 +69,8 @@ def rule_active_experts(m_total: int, num_experts: int) -> int:
 
 def rule_units(dtype: str, m_total: int, num_experts: int, n: int) -> int:
     token_tiles = -(-m_total // rule_token_tile(dtype, m_total, num_experts))
-    return -(-n // BLOCK_N) * max(rule_active_experts(m_total, num_experts), token_tiles)
+    return (-(-n // rule_block_n(dtype, m_total, num_experts))
+            * max(rule_active_experts(m_total, num_experts), token_tiles))
 
 
 def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
@@ -68,14 +86,15 @@ def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
                 if waves(units, s, sm_count) <= best * Fraction(103, 100))
 
 
-def rule_smem_bytes(dtype: str, block_t: int, stages: int) -> int:
+def rule_smem_bytes(dtype: str, block_n: int, block_t: int, stages: int) -> int:
     """Two 1024-byte aligned rings (weights, tokens), the bf16 epilogue tile (block_t rows of
-    128 + 8 elements), 2 mbarriers of 8 bytes per stage, the prefix table of 1024 + 1 ints."""
+    block_n + 8 elements), 2 mbarriers of 8 bytes per stage, the prefix table of 1024 + 1
+    ints."""
     def align(x):
         return -(-x // 1024) * 1024
     per_row = BLOCK_K[dtype] * ELEMENT_BYTES[dtype]
-    return align(align(stages * BLOCK_N * per_row) + align(stages * block_t * per_row)
-                 + block_t * (BLOCK_N + 8) * 2 + 16 * stages + (1024 + 1) * 4)
+    return align(align(stages * block_n * per_row) + align(stages * block_t * per_row)
+                 + block_t * (block_n + 8) * 2 + 16 * stages + (1024 + 1) * 4)
 
 
 DRIVER = r"""
@@ -92,6 +111,8 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "tiles") == 0) {
     for (int t : kTokenTilesBf16) std::puts(swapab_config(GemmDtype::kBf16, t).to_string().c_str());
     for (int t : kTokenTilesE4m3) std::puts(swapab_config(GemmDtype::kE4m3, t).to_string().c_str());
+    std::puts(standard_config(GemmDtype::kBf16).to_string().c_str());
+    std::puts(standard_config(GemmDtype::kE4m3).to_string().c_str());
     return 0;
   }
   char dtype[8];
@@ -141,26 +162,33 @@ def tiles(driver):
     return [parse(line) for line in out.stdout.splitlines()]
 
 
-# (dtype, m_total, num_experts) -> tile; m_total = num_tokens * top_k.
+# (dtype, m_total, num_experts) -> (swap-AB?, token tile); m_total = num_tokens * top_k.
+S, N = 1, 0  # swap-AB, standard
 REPRESENTATIVE = [
     # mixtral: E = 8, top-2 (m_total = 2 M)
-    ("bf16", 2, 8, 16), ("bf16", 32, 8, 16), ("bf16", 128, 8, 32), ("bf16", 256, 8, 64),
-    ("bf16", 512, 8, 128), ("bf16", 2048, 8, 128), ("bf16", 8192, 8, 128),
-    ("e4m3", 2, 8, 16), ("e4m3", 32, 8, 16), ("e4m3", 128, 8, 32), ("e4m3", 256, 8, 64),
-    ("e4m3", 512, 8, 64), ("e4m3", 8192, 8, 64),
+    ("bf16", 2, 8, S, 16), ("bf16", 32, 8, S, 16), ("bf16", 128, 8, S, 32),
+    ("bf16", 256, 8, S, 64), ("bf16", 512, 8, S, 128), ("bf16", 1024, 8, N, 128),
+    ("bf16", 8192, 8, N, 128),
+    ("e4m3", 2, 8, S, 16), ("e4m3", 32, 8, S, 16), ("e4m3", 128, 8, S, 32),
+    ("e4m3", 256, 8, S, 64), ("e4m3", 512, 8, N, 128), ("e4m3", 8192, 8, N, 128),
     # qwen3_30b: E = 128, top-8 (m_total = 8 M)
-    ("bf16", 8, 128, 16), ("bf16", 512, 128, 16), ("bf16", 2048, 128, 32),
-    ("bf16", 4096, 128, 64), ("bf16", 8192, 128, 128), ("e4m3", 8192, 128, 64),
+    ("bf16", 8, 128, S, 16), ("bf16", 512, 128, S, 16), ("bf16", 2048, 128, S, 32),
+    ("bf16", 4096, 128, S, 64), ("bf16", 8192, 128, S, 128), ("bf16", 16384, 128, N, 128),
+    ("e4m3", 4096, 128, S, 64), ("e4m3", 8192, 128, N, 128),
     # edges: no rows, no experts, one expert
-    ("bf16", 0, 8, 16), ("bf16", 5, 0, 16), ("bf16", 64, 1, 128), ("e4m3", 64, 1, 64),
+    ("bf16", 0, 8, S, 16), ("bf16", 5, 0, S, 16), ("bf16", 64, 1, S, 128),
+    ("e4m3", 64, 1, N, 128), ("e4m3", 40, 1, S, 64),
 ]
 
 
 def test_representative_points(driver):
-    got = choose(driver, [(d, m, e, 4096, 4096) for d, m, e, _ in REPRESENTATIVE])
-    for (dtype, m, e, want), cfg in zip(REPRESENTATIVE, got):
+    got = choose(driver, [(d, m, e, 4096, 4096) for d, m, e, _, _ in REPRESENTATIVE])
+    for (dtype, m, e, swap, want), cfg in zip(REPRESENTATIVE, got):
         assert rule_token_tile(dtype, m, e) == want, (dtype, m, e)  # the table itself
+        assert rule_swap_ab(dtype, m, e) == bool(swap), (dtype, m, e)
         assert cfg["block_t"] == want, f"{dtype} m_total={m} E={e}: {cfg}"
+        assert cfg["swap_ab"] == swap, f"{dtype} m_total={m} E={e}: {cfg}"
+        assert cfg["block_n"] == rule_block_n(dtype, m, e), cfg
         assert cfg["dtype"] == dtype
 
 
@@ -172,13 +200,20 @@ def test_matches_rule_and_is_monotonic(driver, dtype, num_experts):
     ms = list(range(0, 64 * num_experts + 1, max(1, num_experts // 8)))
     ms += [int(64 * num_experts * 1.5 ** i) for i in range(1, 20)]
     queries = [(dtype, m, num_experts, n, k) for m in ms for n, k in ((4096, 14336), (64, 128))]
-    got = [c["block_t"] for c in choose(driver, queries)]
+    configs = choose(driver, queries)
+    got = [c["block_t"] for c in configs]
     want = [rule_token_tile(dtype, m, num_experts) for m in ms for _ in range(2)]
     assert got == want
+    assert [c["swap_ab"] for c in configs] == \
+        [int(rule_swap_ab(dtype, m, num_experts)) for m in ms for _ in range(2)]
     by_m = got[::2]
     assert by_m == got[1::2], "N and K do not change the token tile"
     assert all(a <= b for a, b in zip(by_m, by_m[1:])), "token tile shrinks as m_total grows"
-    assert set(by_m) == set(TILES[dtype]), "every candidate tile is chosen somewhere"
+    swaps = [c["swap_ab"] for c in configs[::2]]
+    assert all(a >= b for a, b in zip(swaps, swaps[1:])), "swap-AB once past the standard"
+    assert set(by_m) == set(TILES[dtype]) | {STANDARD[dtype][1]}, \
+        "every candidate tile is chosen somewhere"
+    assert 0 in swaps, "the standard mapping is chosen somewhere"
 
 
 # (dtype, m_total, num_experts, n, k) -> K splits on 132 SMs.
@@ -225,21 +260,25 @@ def test_k_splits_match_rule(driver, sm_count):
 
 def test_candidate_configs_fit_shared_memory(driver):
     configs = tiles(driver)
-    assert [(c["dtype"], c["block_t"]) for c in configs] == \
-        [(d, t) for d in ("bf16", "e4m3") for t in TILES[d]]
+    assert [(c["dtype"], c["swap_ab"], c["block_n"], c["block_t"]) for c in configs] == \
+        [(d, 1, BLOCK_N, t) for d in ("bf16", "e4m3") for t in TILES[d]] + \
+        [(d, 0, *STANDARD[d]) for d in ("bf16", "e4m3")]
     for c in configs:
-        d, t, s = c["dtype"], c["block_t"], c["stages"]
-        assert c["block_n"] == BLOCK_N and c["block_k"] == BLOCK_K[d], c
+        d, n, t, s = c["dtype"], c["block_n"], c["block_t"], c["stages"]
+        assert c["block_k"] == BLOCK_K[d], c
         assert c["promote_interval"] == (0 if d == "bf16" else 4), c
-        assert c["smem_bytes"] == rule_smem_bytes(d, t, s), c
+        assert c["smem_bytes"] == rule_smem_bytes(d, n, t, s), c
         assert c["smem_bytes"] <= SMEM_MAX, c
         assert 2 <= s <= MAX_STAGES, c
-        assert s == MAX_STAGES or rule_smem_bytes(d, t, s + 1) > SMEM_MAX, \
+        assert s == MAX_STAGES or rule_smem_bytes(d, n, t, s + 1) > SMEM_MAX, \
             f"{c}: one more stage would still fit"
         assert t * BLOCK_K[d] * ELEMENT_BYTES[d] % 1024 == 0, "token slots stay 1024-byte aligned"
-    stages = {(c["dtype"], c["block_t"]): c["stages"] for c in configs}
-    assert stages == {("bf16", 16): 12, ("bf16", 32): 10, ("bf16", 64): 8, ("bf16", 128): 5,
-                      ("e4m3", 16): 12, ("e4m3", 32): 10, ("e4m3", 64): 8}
+        acc = n * t // 256 * (2 if d == "e4m3" else 1)
+        assert acc <= 128, f"{c}: {acc} accumulator registers per consumer thread"
+    stages = {(c["dtype"], c["swap_ab"], c["block_t"]): c["stages"] for c in configs}
+    assert stages == {("bf16", 1, 16): 12, ("bf16", 1, 32): 10, ("bf16", 1, 64): 8,
+                      ("bf16", 1, 128): 5, ("e4m3", 1, 16): 12, ("e4m3", 1, 32): 10,
+                      ("e4m3", 1, 64): 8, ("bf16", 0, 128): 3, ("e4m3", 0, 128): 5}
 
 
 def _generator():
@@ -254,13 +293,16 @@ def test_instantiations_cover_the_candidates(driver):
     """Every tile the heuristic can return has an instantiation and a dispatch case, and the
     committed csrc/instantiations/ is the generator's output."""
     gen = _generator()
-    header = {d: tuple(c["block_t"] for c in tiles(driver) if c["dtype"] == d) for d in TILES}
+    header = {d: tuple(c["block_t"] for c in tiles(driver) if c["dtype"] == d and c["swap_ab"])
+              for d in TILES}
     assert {d: tiles_ for d, (_, tiles_) in gen.TOKEN_TILES.items()} == header
     files = gen.render()
     on_disk = {p.name: p.read_text() for p in gen.OUT.glob("*.cu")}
     assert on_disk == files, "csrc/instantiations/ is stale: run tools/generate_instantiations.py"
-    dispatch = files["moe_gemm_swapab_sm90_dispatch.cu"]
+    dispatch = files["moe_gemm_sm90_dispatch.cu"]
     for d, (enum, tiles_) in gen.TOKEN_TILES.items():
+        assert f"moe_gemm_standard_sm90<GemmDtype::{enum}>" in dispatch
+        assert f"moe_gemm_standard_sm90_{d}.cu" in files
         for t in tiles_:
             assert f"moe_gemm_swapab_sm90<GemmDtype::{enum}, {t}>" in dispatch
             assert f"moe_gemm_swapab_sm90_{d}_t{t}.cu" in files

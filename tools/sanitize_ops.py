@@ -123,9 +123,9 @@ def main():
         for counts, n, k in (([1], 64, 64), ([0, 5, 0, 3], 72, 176), ([0, 0, 70], 200, 144),
                              ([2] * 40, 128, 256), ([10, 30, 0, 24], 128, 128),
                              ([0, 130, 7], 136, 128), ([0, 300], 128, 128),
-                             ([1, 0, 1], 520, 8200)):
+                             ([1, 0, 1], 520, 8200), ([0, 300, 129], 200, 1032)):
             # token tiles (heuristics/sm90.h): 16, 16, 64, 16, 32, 64, 128 (FP8: 64), and a
-            # K split (bf16 4 ways, FP8 2) with N and K tails
+            # K split (bf16 4 ways, FP8 2) with N and K tails, the standard mapping
             gemm_ops(counts, n, k)
             print("ok grouped gemm", dict(experts=len(counts), rows=sum(counts), n=n, k=k))
         for T, E, K in ((1, 8, 2), (40, 16, 4)):

@@ -1,15 +1,17 @@
-// CUDA launcher of moe_grouped_gemm: the SM90 swap-AB grouped GEMM (csrc/include/hopper_moe/gemm),
-// its token tile and K split chosen per launch from the shapes (heuristics/sm90.h; the expert
-// row counts stay on the device). The kernel is sm_90a code (wgmma, TMA): other GPUs get a
-// clear error instead of a launch failure. Validated on an H200 against the CPU definition and
-// the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and per-token x
-// per-channel, every token tile, K splits, K = 14336, CUDA-graph replay with new offsets).
+// CUDA launcher of moe_grouped_gemm: the SM90 grouped GEMM (csrc/include/hopper_moe/gemm), its
+// mapping (swap-AB or standard), token tile and K split chosen per launch from the shapes
+// (heuristics/sm90.h; the expert row counts stay on the device). The kernel is sm_90a code
+// (wgmma, TMA): other GPUs get a clear error instead of a launch failure. Validated on an H200
+// against the CPU definition and the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8
+// per-tensor and per-token x per-channel, every token tile and both mappings, K splits,
+// K = 14336, CUDA-graph replay with new offsets).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/gemm/cutlass_moe_mm_args.h"
@@ -39,7 +41,16 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
       a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
                                        : heuristics::GemmDtype::kE4m3,
       a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount);
-  // HOPPER_MOE_CUTE_K_SPLITS=s (1..8) replaces the heuristic's K split, for measuring it.
+  // HOPPER_MOE_CUTE_MAPPING=swap_ab|standard and HOPPER_MOE_CUTE_K_SPLITS=s (1..8) replace
+  // the heuristic's mapping and K split, for measuring them.
+  if (const char* env = std::getenv("HOPPER_MOE_CUTE_MAPPING"); env != nullptr && *env) {
+    const std::string mapping(env);
+    HM_CHECK(kOp, mapping == "swap_ab" || mapping == "standard",
+             "HOPPER_MOE_CUTE_MAPPING must be swap_ab or standard (got '", mapping, "')");
+    config = heuristics::grouped_gemm_config_sm90(
+        config.dtype, mapping == "swap_ab", a.size(0), int(b.size(0)), int(b.size(1)),
+        int(a.size(1)), prop->multiProcessorCount);
+  }
   if (const char* env = std::getenv("HOPPER_MOE_CUTE_K_SPLITS"); env != nullptr && *env) {
     const int s = std::atoi(env);
     HM_CHECK(kOp, s >= 1 && s <= heuristics::kMaxKSplits,
@@ -77,14 +88,16 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
     args.b_mode = b_scales->numel() == b.size(0) ? gemm::ScaleMode::kPerTensor
                                                   : gemm::ScaleMode::kPerRow;
   }
-  const cudaError_t err = gemm::moe_gemm_swapab_sm90(args, config, stream);
+  const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on
-// the device). The kernel always maps the weights to wgmma's 64-row side (swap-AB), so the
-// swapped problem sizes of M_tot <= 64 only decide where the last expert's row count is read.
+// the device). The kernel's mapping follows the rows per expert (heuristics/sm90.h): with
+// M_tot <= 64 the fullest expert's expected rows fit a swap-AB tile, so those launches always
+// map swap-AB, and the swapped problem sizes of M_tot <= 64 decide where the last expert's row
+// count is read.
 void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                     const at::Tensor& b_tensors, const at::Tensor& a_scales,
                     const at::Tensor& b_scales, const at::Tensor& expert_offsets,

@@ -1,4 +1,4 @@
-// Host-side interface of the SM90 grouped expert GEMM (swap-AB mapping).
+// Host-side interface of the SM90 grouped expert GEMM (swap-AB and standard mappings).
 //
 //   out[offsets[e] + t, n] = s(e, n, t) * sum_k W[e, n, k] * X[offsets[e] + t, k]
 //
@@ -11,12 +11,12 @@
 // With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
 // go to `partial` and are added by a second kernel.
 //
-// Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and token tile, bf16
-// 16/32/64/128 and FP8 16/32/64 tokens, the tile and the K split chosen per launch by
-// heuristics/sm90.h) and validated on an H200 through the ops moe_grouped_gemm and
-// cutlass_moe_mm (tests/test_grouped_gemm.py). Persistent and warp-specialized (a TMA
-// producer warpgroup, two wgmma consumer warpgroups) over the units of the experts that have
-// rows, for at most heuristics::kMaxExperts experts. No standard mapping yet
+// Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and swap-AB token
+// tile, bf16 16/32/64/128 and FP8 16/32/64 tokens, and one per dtype for the standard mapping;
+// the mapping, tile and K split chosen per launch by heuristics/sm90.h) and validated on an
+// H200 through the ops moe_grouped_gemm and cutlass_moe_mm (tests/test_grouped_gemm.py).
+// Persistent and warp-specialized (a TMA producer warpgroup, two wgmma consumer warpgroups)
+// over the units of the experts that have rows, for at most heuristics::kMaxExperts experts
 // (benchmarks/NOTES.md).
 #pragma once
 
@@ -53,13 +53,15 @@ struct MoeGemmArgs {
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
 // and returns the launch's cudaError_t; cudaErrorInvalidValue for a config that has none.
-cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args,
-                                 const heuristics::GroupedGemmConfig& config,
-                                 cudaStream_t stream);
+cudaError_t moe_gemm_sm90(const MoeGemmArgs& args, const heuristics::GroupedGemmConfig& config,
+                          cudaStream_t stream);
 
-// One (dtype, token tile), explicitly instantiated in csrc/instantiations/ for the tiles of
-// heuristics::kTokenTilesBf16 / kTokenTilesE4m3 (defined in kernel_moe_gemm_swapab_sm90.cuh).
+// Swap-AB with one token tile of heuristics::kTokenTilesBf16 / kTokenTilesE4m3, and the
+// standard mapping, per dtype: explicitly instantiated in csrc/instantiations/ (defined in
+// kernel_moe_gemm_sm90.cuh).
 template <heuristics::GemmDtype kDtype, int kBlockT>
 cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream);
+template <heuristics::GemmDtype kDtype>
+cudaError_t moe_gemm_standard_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 
 }  // namespace hopper_moe::gemm

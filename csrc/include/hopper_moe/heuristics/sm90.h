@@ -1,4 +1,4 @@
-// Config choice of the SM90 grouped expert GEMM (gemm/kernel_moe_gemm_swapab_sm90.cuh).
+// Config choice of the SM90 grouped expert GEMM (gemm/kernel_moe_gemm_sm90.cuh).
 //
 // Pure and host-only: plain C++ with no CUDA or CuTe include, so a unit test compiles it with
 // the system compiler (tests/test_heuristics.py). The choice uses only what the host knows
@@ -9,6 +9,10 @@
 // is sized to the rows the fullest expert is expected to get under uniform routing,
 // mean + 2.5 sqrt(mean) with mean = m_total / num_experts (exceeded by ~0.6% of experts; the
 // rule of python/hopper_moe/triton/configs.py `expected_max_rows`), rounded up to a candidate.
+// Mapping: swap-AB (weights on wgmma's 64-row A side, tokens the N side) while those rows fit
+// a swap-AB token tile; beyond the largest, the standard mapping (128 token rows on the A
+// side, 256 bf16 / 128 FP8 weight rows on the N side), whose k-tile does more math per byte of
+// shared memory than the 128 x 128 swap-AB tile.
 // The candidates stop at bf16 128 and FP8 64 tokens, where v8's single consumer warpgroup
 // (kBlockT fp32 accumulator registers per thread, twice for FP8's promotion) would spill; with
 // two consumer warpgroups a 128 x kBlockT tile is kBlockT / 2 registers per thread, so larger
@@ -58,17 +62,18 @@ inline constexpr int kKSplitSlackPct = 3;  // a split must buy more than this mu
 // One instantiation of the swap-AB kernel: its template arguments and shared memory.
 struct GroupedGemmConfig {
   GemmDtype dtype = GemmDtype::kBf16;
-  int block_n = 0;           // weight rows per CTA: the 64-row wgmma side, twice
-  int block_t = 0;           // token rows per CTA: the wgmma N
+  int block_n = 0;           // weight rows per unit (swap-AB: wgmma's A side, 2 x 64)
+  int block_t = 0;           // token rows per unit (swap-AB: the wgmma N)
   int block_k = 0;           // one 128-byte swizzle row of K
   int stages = 0;            // shared-memory ring depth
   int promote_interval = 0;  // k-tiles between FP8 promotions to fp32 (0: bf16, none)
   int smem_bytes = 0;
   int k_splits = 1;          // K ranges per CTA's work (a launch-time choice, not a template)
+  bool swap_ab = true;       // weights on wgmma's A side (else the tokens)
 
   std::string to_string() const {
     return std::string("grouped_gemm_sm90 ") + heuristics::to_string(dtype) +
-           " block_n=" + std::to_string(block_n) + " block_t=" + std::to_string(block_t) +
+           " swap_ab=" + std::to_string(int(swap_ab)) + " block_n=" + std::to_string(block_n) + " block_t=" + std::to_string(block_t) +
            " block_k=" + std::to_string(block_k) + " stages=" + std::to_string(stages) +
            " promote_interval=" + std::to_string(promote_interval) +
            " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits);
@@ -84,8 +89,8 @@ constexpr int element_bytes(GemmDtype dtype) { return dtype == GemmDtype::kBf16 
 // sizeof(SharedStorage).
 inline constexpr int kMaxExperts = 1024;   // the prefix table's capacity (the op checks E)
 inline constexpr int kEpiloguePad = 8;     // bf16 elements after each epilogue row: 16 bytes
-constexpr int swapab_smem_bytes(GemmDtype dtype, int block_n, int block_t, int block_k,
-                                int stages) {
+constexpr int gemm_smem_bytes(GemmDtype dtype, int block_n, int block_t, int block_k,
+                              int stages) {
   const auto align = [](int bytes) { return (bytes + 1023) / 1024 * 1024; };
   const int w = align(stages * block_n * block_k * element_bytes(dtype));
   const int x = align(stages * block_t * block_k * element_bytes(dtype));
@@ -93,21 +98,34 @@ constexpr int swapab_smem_bytes(GemmDtype dtype, int block_n, int block_t, int b
   return align(w + x + c + 2 * stages * 8 + (kMaxExperts + 1) * 4);
 }
 
-// The full config of the instantiation for (dtype, token tile).
-constexpr GroupedGemmConfig swapab_config(GemmDtype dtype, int block_t) {
+// The full config of an instantiation: its tiles and mapping, then the stages that fit.
+constexpr GroupedGemmConfig gemm_config(GemmDtype dtype, bool swap_ab, int block_n,
+                                        int block_t) {
   GroupedGemmConfig c;
   c.dtype = dtype;
-  c.block_n = 128;
+  c.swap_ab = swap_ab;
+  c.block_n = block_n;
   c.block_t = block_t;
   c.block_k = 128 / element_bytes(dtype);
   c.promote_interval = dtype == GemmDtype::kBf16 ? 0 : 4;  // every 512 of K
   c.stages = kMaxStages;
   while (c.stages > 2 &&
-         swapab_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages) > kSmemBytesMax) {
+         gemm_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages) > kSmemBytesMax) {
     --c.stages;
   }
-  c.smem_bytes = swapab_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages);
+  c.smem_bytes = gemm_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages);
   return c;
+}
+
+// Swap-AB with a token tile of kTokenTilesBf16 / kTokenTilesE4m3.
+constexpr GroupedGemmConfig swapab_config(GemmDtype dtype, int block_t) {
+  return gemm_config(dtype, true, 128, block_t);
+}
+
+// The standard mapping: 128 token rows x 256 (bf16) or 128 (FP8, whose promoted accumulator
+// is twice the registers) weight rows.
+constexpr GroupedGemmConfig standard_config(GemmDtype dtype) {
+  return gemm_config(dtype, false, dtype == GemmDtype::kBf16 ? 256 : 128, 128);
 }
 
 // Rows the fullest of num_experts experts is expected to get when m_total rows are routed
@@ -158,29 +176,50 @@ inline int64_t expected_active_experts(int64_t m_total, int num_experts) {
   return rounded < 1 ? 1 : rounded;
 }
 
-// The token tile and config for one launch. n and k do not enter the token tile: whatever the
-// weight shape, a second token tile of an expert streams all of its weights again. They, and
-// the GPU's SM count, decide the K split.
-inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_total,
-                                                  int num_experts, int n, int k, int sm_count) {
-  const double rows = expected_max_rows(m_total, num_experts);
-  const int* tiles = dtype == GemmDtype::kBf16 ? kTokenTilesBf16 : kTokenTilesE4m3;
-  const int count = dtype == GemmDtype::kBf16 ? int(std::size(kTokenTilesBf16))
-                                              : int(std::size(kTokenTilesE4m3));
-  int block_t = tiles[count - 1];
-  for (int i = 0; i < count; ++i) {
-    if (rows <= double(tiles[i])) {
-      block_t = tiles[i];
-      break;
+// The config for one launch in the given mapping: the token tile (swap-AB: the rule's,
+// capped at the largest candidate; standard: 128) and the K split. n and k do not enter the
+// token tile: whatever the weight shape, a second token tile of an expert streams all of its
+// weights again. They, and the GPU's SM count, decide the K split.
+inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
+                                                  int64_t m_total, int num_experts, int n,
+                                                  int k, int sm_count) {
+  GroupedGemmConfig c;
+  if (swap_ab) {
+    const double rows = expected_max_rows(m_total, num_experts);
+    const int* tiles = dtype == GemmDtype::kBf16 ? kTokenTilesBf16 : kTokenTilesE4m3;
+    const int count = dtype == GemmDtype::kBf16 ? int(std::size(kTokenTilesBf16))
+                                                : int(std::size(kTokenTilesE4m3));
+    int block_t = tiles[count - 1];
+    for (int i = 0; i < count; ++i) {
+      if (rows <= double(tiles[i])) {
+        block_t = tiles[i];
+        break;
+      }
     }
+    c = swapab_config(dtype, block_t);
+  } else {
+    c = standard_config(dtype);
   }
-  GroupedGemmConfig c = swapab_config(dtype, block_t);
   const int64_t active_experts = expected_active_experts(m_total, num_experts);
   const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
   const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) *
                         (active_experts > min_token_tiles ? active_experts : min_token_tiles);
   c.k_splits = choose_k_splits(units, (k + c.block_k - 1) / c.block_k, sm_count);
   return c;
+}
+
+// Swap-AB while the fullest expert's expected rows fit its largest token tile.
+inline bool use_swap_ab(GemmDtype dtype, int64_t m_total, int num_experts) {
+  const int largest = dtype == GemmDtype::kBf16 ? kTokenTilesBf16[std::size(kTokenTilesBf16) - 1]
+                                                : kTokenTilesE4m3[std::size(kTokenTilesE4m3) - 1];
+  return expected_max_rows(m_total, num_experts) <= double(largest);
+}
+
+// The mapping, token tile and K split for one launch.
+inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_total,
+                                                  int num_experts, int n, int k, int sm_count) {
+  return grouped_gemm_config_sm90(dtype, use_swap_ab(dtype, m_total, num_experts), m_total,
+                                  num_experts, n, k, sm_count);
 }
 
 }  // namespace hopper_moe::heuristics

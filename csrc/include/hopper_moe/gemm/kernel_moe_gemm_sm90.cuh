@@ -1,11 +1,15 @@
-// Grouped expert GEMM for SM90, swap-AB mapping: C^T = W . X^T per expert (decode).
+// Grouped expert GEMM for SM90, in two mappings of the same persistent kernel.
 //
-// At decode an expert sees a handful of tokens. A wgmma's A operand is always 64 rows, so the
-// weight tile takes that side (kBlockN = 128 weight rows: one 64-row wgmma per consumer
-// warpgroup) and the tokens are the narrow N side (kBlockT = 16..128). Every expert's weights
-// are then read once per token tile. The host picks kBlockT per launch from the rows the
-// fullest expert is expected to get (heuristics/sm90.h), so a typical expert fits one token
-// tile; one with more rows takes several, each streaming its weights again.
+// Swap-AB (decode): C^T = W . X^T per expert. An expert sees a handful of tokens and a
+// wgmma's A operand is always 64 rows, so the weight tile takes that side (kBlockN = 128
+// weight rows: one 64-row wgmma per consumer warpgroup) and the tokens are the narrow N side
+// (kBlockT = 16..128). Every expert's weights are then read once per token tile.
+// Standard (many tokens): C = X . W^T. The token tile takes the A side (kBlockT = 128 rows, 64
+// per consumer warpgroup) and the weight tile the N side (kBlockN = 256 bf16, 128 FP8), so a
+// k-tile does twice the math of the 128 x 128 swap-AB tile per byte of shared memory.
+// The host picks the mapping and the tiles per launch from the rows the fullest expert is
+// expected to get (heuristics/sm90.h), so a typical expert fits one token tile; one with more
+// rows takes several, each streaming its weights again.
 //
 // Persistent and warp-specialized. The grid is at most one CTA per SM; CTA b takes the work
 // units b, b + gridDim.x, ... of the launch. A unit is (token tile, weight tile, K split), and
@@ -19,25 +23,28 @@
 //     with the slot's byte count and issues the two TMA copies (cp.async.bulk.tensor) of the
 //     weight tile and the token tile. It runs up to kStages k-tiles ahead of the math, across
 //     unit boundaries, so the next unit's weights arrive while the consumers run an epilogue.
-//   warpgroups 1-2, the consumers (setmaxnreg up to 232): each issues the wgmma of 64 weight
-//     rows x kBlockT tokens from shared memory, waits for it, and releases the slot (empty[s],
+//   warpgroups 1-2, the consumers (setmaxnreg up to 232): each issues the wgmma of its 64 rows
+//     of the A tile x the whole B tile from shared memory and keeps one k-tile's batch in
+//     flight: after issuing k-tile i it waits for i - 1's and releases that slot (empty[s],
 //     256 arrivals). FP8: the tensor core's accumulation is promoted into a separate fp32
-//     register accumulator every kPromoteInterval k-tiles, bounding the error at large K.
-// Slots hold a weight tile (kBlockN x kBlockK) and a token tile (kBlockT x kBlockK), both
-// K-major with the 128-byte swizzle wgmma reads. Out-of-range rows and K columns are
-// zero-filled by TMA; rows that belong to the next expert or lie past N are computed and
-// masked in the epilogue.
+//     register accumulator every kPromoteInterval k-tiles (waiting for every batch there),
+//     bounding the error at large K.
+// Slots hold the A tile (128 x kBlockK: weights for swap-AB, tokens for standard) and the B
+// tile (the other operand), both K-major with the 128-byte swizzle wgmma reads. Out-of-range
+// rows and K columns are zero-filled by TMA; rows that belong to the next expert or lie past N
+// are computed and masked in the epilogue.
 // Epilogue: the consumers scale their accumulators, convert them to bf16 and write them
-// transposed into a shared-memory tile [kBlockT][kBlockN + pad]; after a named barrier the 256
-// consumer threads store that tile's rows to out[row, n0..] in 16-byte vectors (coalesced:
-// consecutive threads write consecutive columns of a row), masking token rows past the
-// expert's count and columns past N (element stores where N or the row stride is not a
-// multiple of 8). K split (k_splits > 1, chosen by the host when the units would leave SMs
-// idle): each unit runs its split's k-tiles and writes the scaled fp32 partial tile to
-// partial[split, row, n] from registers; a second kernel adds the splits of every row an
+// (transposed for swap-AB) into a shared-memory tile [kBlockT][kBlockN + pad]; after a named
+// barrier the 256 consumer threads store that tile's rows to out[row, n0..] in 16-byte
+// vectors (coalesced: consecutive threads write consecutive columns of a row), masking token
+// rows past the expert's count and columns past N (element stores where N or the row stride
+// is not a multiple of 8). K split (k_splits > 1, chosen by the host when the units would
+// leave SMs idle): each unit runs its split's k-tiles and writes the scaled fp32 partial tile
+// to partial[split, row, n] from registers; a second kernel adds the splits of every row an
 // expert owns and writes out (rows no expert owns stay untouched).
-// Shared memory: heuristics/sm90.h swapab_smem_bytes (rings, epilogue tile, barriers, table).
-// Registers: the accumulator is kBlockT / 2 fp32 per consumer thread (twice for FP8).
+// Shared memory: heuristics/sm90.h gemm_smem_bytes (rings, epilogue tile, barriers, table).
+// Registers: the accumulator is kBlockN x kBlockT / 256 fp32 per consumer thread (twice for
+// FP8), at most 128.
 // Status: see moe_gemm_sm90.h.
 #pragma once
 
@@ -58,27 +65,32 @@
 
 namespace hopper_moe::gemm {
 
-template <class Element, int kBlockN, int kBlockT, int kBlockK, int kStages, int kPromoteInterval>
-struct SwapAbConfig {
-  static_assert(kBlockN == 128, "the weight tile is one 64-row wgmma per consumer warpgroup");
-  static_assert(kBlockT % 16 == 0 && kBlockT >= 16 && kBlockT <= 256,
-                "the token side is a wgmma N: a multiple of 16 (whole epilogue vectors) <= 256");
+// kBlockN weight rows and kBlockT token rows per unit; kSwapAB puts the weights on wgmma's A
+// side, otherwise the tokens.
+template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
+          int kPromoteInterval>
+struct MoeGemmConfig {
+  static constexpr int kTileA = kSwapAB ? kBlockN : kBlockT;  // wgmma M: 64 per warpgroup
+  static constexpr int kTileB = kSwapAB ? kBlockT : kBlockN;  // wgmma N
+  static_assert(kTileA == 128, "the A tile is one 64-row wgmma per consumer warpgroup");
+  static_assert(kTileB % 16 == 0 && kTileB >= 16 && kTileB <= 256,
+                "the B side is a wgmma N: a multiple of 16 (whole epilogue vectors) <= 256");
+  static_assert(kBlockN % 8 == 0, "epilogue rows are whole 16-byte vectors");
   static_assert(kBlockK * sizeof(Element) % 128 == 0,
                 "a k-tile spans whole 128-byte swizzle atoms");
   static_assert(kStages >= 2, "the pipeline needs at least two slots to overlap copy and math");
 
-  using TileShape = cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockT>, cute::Int<kBlockK>>;
-  using AtomShape = cute::Shape<cute::_64, cute::Int<kBlockT>, cute::Int<kBlockK>>;
-  using SmemLayoutW = decltype(cute::tile_to_shape(
+  using AtomShape = cute::Shape<cute::_64, cute::Int<kTileB>, cute::Int<kBlockK>>;
+  using SmemLayoutA = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  using SmemLayoutX = decltype(cute::tile_to_shape(
+      cute::make_shape(cute::Int<kTileA>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::make_shape(cute::Int<kBlockT>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
+      cute::make_shape(cute::Int<kTileB>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float, AtomShape,
                                                       cute::GMMA::Major::K,
                                                       cute::GMMA::Major::K>());
-  // Two consumer warpgroups stacked along the weight rows: 64 rows each.
+  // Two consumer warpgroups stacked along the A tile's rows: 64 rows each.
   using TiledMma = decltype(cute::make_tiled_mma(
       MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static constexpr int kProducerThreads = 128;
@@ -89,16 +101,16 @@ struct SwapAbConfig {
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "the register split fits the SM's 64K registers");
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two warpgroups issue the wgmma");
-  static_assert(kBlockN * kBlockT / kConsumerThreads * (kPromoteInterval > 0 ? 2 : 1) <= 128,
+  static_assert(kTileA * kTileB / kConsumerThreads * (kPromoteInterval > 0 ? 2 : 1) <= 128,
                 "the fp32 accumulators (two with FP8 promotion) leave registers for the rest "
-                "of the consumer: larger token tiles spill");
+                "of the consumer: larger tiles spill");
   static constexpr int kEpilogueLd = kBlockN + heuristics::kEpiloguePad;  // bf16 elements
 
   // 128-byte-swizzled tiles repeat every 1024 bytes: TMA writes and wgmma descriptors (base
   // offset 0) agree only on 1024-byte aligned tiles.
   struct SharedStorage {
-    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutW>> w;
-    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutX>> x;
+    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
+    alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(16) cutlass::bfloat16_t c[kBlockT * kEpilogueLd];
     alignas(8) uint64_t full[kStages];
     alignas(8) uint64_t empty[kStages];
@@ -106,12 +118,12 @@ struct SwapAbConfig {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB an SM90 CTA can have");
-  static_assert(kBlockT * kBlockK * sizeof(Element) % 1024 == 0,
-                "each token-tile slot keeps the next slot 1024-byte aligned");
-  static constexpr uint32_t kTxBytes = (kBlockN + kBlockT) * kBlockK * sizeof(Element);
+  static_assert(kTileB * kBlockK * sizeof(Element) % 1024 == 0,
+                "each B slot keeps the next slot 1024-byte aligned");
+  static constexpr uint32_t kTxBytes = (kTileA + kTileB) * kBlockK * sizeof(Element);
 };
 
-struct SwapAbParams {
+struct MoeGemmParams {
   void* out;
   float* partial;  // [k_splits, m_total, n] fp32 (k_splits > 1 only)
   const int64_t* offsets;
@@ -129,7 +141,7 @@ struct SwapAbParams {
 };
 
 // One work unit, decoded the same way by the producer and the consumers.
-struct SwapAbUnit {
+struct MoeGemmUnit {
   int expert;
   int64_t row_begin;  // the expert's first row of x / out
   int64_t rows;       // its row count
@@ -141,9 +153,9 @@ struct SwapAbUnit {
 };
 
 template <int kBlockN, int kBlockT, int kBlockK>
-CUTLASS_DEVICE SwapAbUnit decode_swapab_unit(const SwapAbParams& p, const int* tile_prefix,
+CUTLASS_DEVICE MoeGemmUnit decode_moe_gemm_unit(const MoeGemmParams& p, const int* tile_prefix,
                                              int n_tiles, int64_t unit) {
-  SwapAbUnit u;
+  MoeGemmUnit u;
   u.split = int(unit % p.k_splits);
   const int64_t rest = unit / p.k_splits;
   u.n0 = int(rest % n_tiles) * kBlockN;
@@ -166,16 +178,15 @@ CUTLASS_DEVICE SwapAbUnit decode_swapab_unit(const SwapAbParams& p, const int* t
   return u;
 }
 
-template <class Config, class Element, class TmaW, class TmaX, int kPromoteInterval>
+template <class Config, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
+          int kPromoteInterval, class TmaA, class TmaB>
 __global__ void __launch_bounds__(Config::kThreads, 1)
-    moe_gemm_swapab_sm90_kernel(SwapAbParams p, CUTLASS_GRID_CONSTANT TmaW const tma_w,
-                                CUTLASS_GRID_CONSTANT TmaX const tma_x) {
+    moe_gemm_sm90_kernel(MoeGemmParams p, CUTLASS_GRID_CONSTANT TmaA const tma_a,
+                         CUTLASS_GRID_CONSTANT TmaB const tma_b) {
   using namespace cute;
   using SharedStorage = typename Config::SharedStorage;
-  constexpr int kBlockN = size<0>(typename Config::TileShape{});
-  constexpr int kBlockT = size<1>(typename Config::TileShape{});
-  constexpr int kBlockK = size<2>(typename Config::TileShape{});
-  constexpr int kStages = size<2>(typename Config::SmemLayoutW{});
+  constexpr int kTileA = Config::kTileA;
+  constexpr int kTileB = Config::kTileB;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
@@ -223,39 +234,44 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
   const int64_t units = int64_t(smem.tile_prefix[p.num_experts]) * n_tiles * p.k_splits;
 
-  // Coordinate views of the whole operands. Rows are int32 TMA coordinates: E*N and m_total
-  // stay below 2^31 (host check).
-  Tensor mW = tma_w.get_tma_tensor(make_shape(p.num_experts * p.n, p.k));  // (E*N,K)
-  Tensor mX = tma_x.get_tma_tensor(make_shape(int(p.m_total), p.k));       // (M,K)
-  Tensor sW = make_tensor(make_smem_ptr(smem.w.begin()), typename Config::SmemLayoutW{});  // (BLK_N,BLK_K,PIPE)
-  Tensor sX = make_tensor(make_smem_ptr(smem.x.begin()), typename Config::SmemLayoutX{});  // (BLK_T,BLK_K,PIPE)
+  // Coordinate views of the whole operands, the weights (E*N,K) and the tokens (M,K) on the
+  // A or B side by the mapping. Rows are int32 TMA coordinates: E*N and m_total stay below
+  // 2^31 (host check).
+  const auto shape_w = make_shape(p.num_experts * p.n, p.k);
+  const auto shape_x = make_shape(int(p.m_total), p.k);
+  Tensor mA = tma_a.get_tma_tensor(kSwapAB ? shape_w : shape_x);  // (rows,K)
+  Tensor mB = tma_b.get_tma_tensor(kSwapAB ? shape_x : shape_w);  // (rows,K)
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (TILE_A,BLK_K,PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (TILE_B,BLK_K,PIPE)
 
   if (warp < Config::kProducerThreads / 32) {
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
-      cute::prefetch_tma_descriptor(tma_w.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(tma_x.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
       // Phase 1 first: a fresh barrier counts its preceding phase as complete, so the first
       // kStages waits pass and the ring fills at once.
       cutlass::PipelineState<kStages> write(0, 1, 0);
       for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const SwapAbUnit u =
-            decode_swapab_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
-        Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + u.n0, 0), mW),
-                               make_shape(Int<kBlockN>{}, Int<kBlockK>{}), make_coord(0, _));  // (BLK_N,BLK_K,k)
-        Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
-                               make_shape(Int<kBlockT>{}, Int<kBlockK>{}), make_coord(0, _));  // (BLK_T,BLK_K,k)
-        auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                          group_modes<0, 2>(gW));  // (TMA,k), (TMA,PIPE)
-        auto [tXgX, tXsX] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                          group_modes<0, 2>(gX));  // (TMA,k), (TMA,PIPE)
+        const MoeGemmUnit u =
+            decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
+        const int row_w = u.expert * p.n + u.n0;   // the weight tile's first row
+        const int row_x = int(u.row_begin) + u.t0;  // the token tile's first row
+        Tensor gA = local_tile(domain_offset(make_coord(kSwapAB ? row_w : row_x, 0), mA),
+                               make_shape(Int<kTileA>{}, Int<kBlockK>{}), make_coord(0, _));  // (TILE_A,BLK_K,k)
+        Tensor gB = local_tile(domain_offset(make_coord(kSwapAB ? row_x : row_w, 0), mB),
+                               make_shape(Int<kTileB>{}, Int<kBlockK>{}), make_coord(0, _));  // (TILE_B,BLK_K,k)
+        auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                          group_modes<0, 2>(gA));  // (TMA,k), (TMA,PIPE)
+        auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                          group_modes<0, 2>(gB));  // (TMA,k), (TMA,PIPE)
         for (int kt = u.kt_begin; kt < u.kt_end; ++kt) {
           const int s = write.index();
           EmptyBarrier::wait(&smem.empty[s], write.phase());
           FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
-          copy(tma_w.with(smem.full[s]), tWgW(_, kt), tWsW(_, s));
-          copy(tma_x.with(smem.full[s]), tXgX(_, kt), tXsX(_, s));
+          copy(tma_a.with(smem.full[s]), tAgA(_, kt), tAsA(_, s));
+          copy(tma_b.with(smem.full[s]), tBgB(_, kt), tBsB(_, s));
           ++write;
         }
       }
@@ -268,12 +284,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int ct = int(threadIdx.x) - Config::kProducerThreads;  // 0..255
   typename Config::TiledMma mma;
   ThrMMA thr_mma = mma.get_thread_slice(ct);
-  Tensor tCsW = thr_mma.partition_A(sW);                  // (MMA,MMA_N,MMA_K,PIPE)
-  Tensor tCsX = thr_mma.partition_B(sX);                  // (MMA,MMA_T,MMA_K,PIPE)
-  Tensor tCrW = thr_mma.make_fragment_A(tCsW);            // wgmma descriptors
-  Tensor tCrX = thr_mma.make_fragment_B(tCsX);
-  Tensor cC = make_identity_tensor(make_shape(Int<kBlockN>{}, Int<kBlockT>{}));  // (BLK_N,BLK_T) -> (n,t)
-  Tensor tCcC = thr_mma.partition_C(cC);                  // (MMA,MMA_N,MMA_T)
+  Tensor tCsA = thr_mma.partition_A(sA);                  // (MMA,MMA_M,MMA_K,PIPE)
+  Tensor tCsB = thr_mma.partition_B(sB);                  // (MMA,MMA_N,MMA_K,PIPE)
+  Tensor tCrA = thr_mma.make_fragment_A(tCsA);            // wgmma descriptors
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+  Tensor cC = make_identity_tensor(make_shape(Int<kTileA>{}, Int<kTileB>{}));  // (TILE_A,TILE_B) -> (a,b)
+  Tensor tCcC = thr_mma.partition_C(cC);                  // (MMA,MMA_M,MMA_N)
+  // The tile coordinates of accumulator element i: weight row n and token row t.
+  struct TileCoord {
+    int n;
+    int t;
+  };
+  const auto tile_nt = [&](int i) {
+    const int a = get<0>(tCcC(i)), b = get<1>(tCcC(i));
+    return kSwapAB ? TileCoord{a, b} : TileCoord{b, a};
+  };
   Tensor acc = thr_mma.make_fragment_C(tCcC);             // fp32, what wgmma accumulates into
   Tensor total = make_fragment_like(acc);                 // FP8: the sum of promoted partials
   auto* out = static_cast<cutlass::bfloat16_t*>(p.out);
@@ -281,32 +306,47 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   cutlass::PipelineState<kStages> read;  // (slot 0, phase 0)
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const SwapAbUnit u =
-        decode_swapab_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
+    const MoeGemmUnit u =
+        decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
     clear(acc);
     if constexpr (kPromoteInterval > 0) clear(total);
 
+    // One wgmma batch in flight: after issuing k-tile kt, wait for kt - 1's batch and free its
+    // slot (in_flight); at an FP8 promotion, wait for both and free both.
+    int in_flight = -1;
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt) {
       const int s = read.index();
       FullBarrier::wait(&smem.full[s], read.phase());
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
-      cute::gemm(mma, tCrW(_, _, _, s), tCrX(_, _, _, s), acc);
+      cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);
       warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
-      EmptyBarrier::arrive(&smem.empty[s]);
       ++read;
+      bool promote = false;
       if constexpr (kPromoteInterval > 0) {
-        if ((kt - u.kt_begin + 1) % kPromoteInterval == 0 || kt + 1 == u.kt_end) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc); ++i) {
-            total(i) += acc(i);
-            acc(i) = 0.0f;
-          }
+        promote = (kt - u.kt_begin + 1) % kPromoteInterval == 0 || kt + 1 == u.kt_end;
+      }
+      if (promote) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        if (in_flight >= 0) EmptyBarrier::arrive(&smem.empty[in_flight]);
+        EmptyBarrier::arrive(&smem.empty[s]);
+        in_flight = -1;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc); ++i) {
+          total(i) += acc(i);
+          acc(i) = 0.0f;
         }
+      } else {
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        if (in_flight >= 0) EmptyBarrier::arrive(&smem.empty[in_flight]);
+        in_flight = s;
       }
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (in_flight >= 0) EmptyBarrier::arrive(&smem.empty[in_flight]);
     if constexpr (kPromoteInterval == 0) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc); ++i) total(i) = acc(i);
@@ -327,8 +367,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       float* partial = p.partial + int64_t(u.split) * p.m_total * p.n;
       CUTE_UNROLL
       for (int i = 0; i < size(total); ++i) {
-        const int n = u.n0 + get<0>(tCcC(i));
-        const int t = u.t0 + get<1>(tCcC(i));
+        const TileCoord c = tile_nt(i);
+        const int n = u.n0 + c.n;
+        const int t = u.t0 + c.t;
         if (n < p.n && t < u.rows) {
           const int64_t row = u.row_begin + t;
           partial[row * p.n + n] = scaled(i, n, row);
@@ -341,8 +382,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
     CUTE_UNROLL
     for (int i = 0; i < size(total); ++i) {
-      const int nl = get<0>(tCcC(i));
-      const int tl = get<1>(tCcC(i));
+      const TileCoord c = tile_nt(i);
+      const int nl = c.n, tl = c.t;
       const int n = u.n0 + nl;
       const int t = u.t0 + tl;
       const bool valid = n < p.n && t < u.rows;
@@ -395,10 +436,12 @@ __global__ void __launch_bounds__(kThreads)
 
 // Builds the TMA descriptors and launches the persistent grid (at most one CTA per SM, no more
 // than the launch can have units), then, with a K split, the reduction of the partial tiles.
-template <class Element, int kBlockN, int kBlockT, int kBlockK, int kStages, int kPromoteInterval>
-cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
+template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
+          int kPromoteInterval>
+cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   using namespace cute;
-  using Config = SwapAbConfig<Element, kBlockN, kBlockT, kBlockK, kStages, kPromoteInterval>;
+  using Config =
+      MoeGemmConfig<Element, kSwapAB, kBlockN, kBlockT, kBlockK, kStages, kPromoteInterval>;
   if (a.m_total == 0 || a.num_experts == 0 || a.n == 0) return cudaSuccess;
   if (a.num_experts > heuristics::kMaxExperts || a.sm_count <= 0) return cudaErrorInvalidValue;
 
@@ -408,21 +451,23 @@ cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t strea
                           make_shape(a.num_experts * a.n, a.k), make_stride(int64_t(a.k), Int<1>{}));
   Tensor mX = make_tensor(make_gmem_ptr(x_ptr), make_shape(int(a.m_total), a.k),
                           make_stride(a.ldx, Int<1>{}));
-  auto sW = typename Config::SmemLayoutW{};
-  auto sX = typename Config::SmemLayoutX{};
-  auto tma_w = make_tma_atom(SM90_TMA_LOAD{}, mW, sW(_, _, 0),
-                             make_shape(Int<kBlockN>{}, Int<kBlockK>{}));
-  auto tma_x = make_tma_atom(SM90_TMA_LOAD{}, mX, sX(_, _, 0),
-                             make_shape(Int<kBlockT>{}, Int<kBlockK>{}));
+  auto sA = typename Config::SmemLayoutA{};
+  auto sB = typename Config::SmemLayoutB{};
+  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, [&] {
+    if constexpr (kSwapAB) return mW; else return mX;
+  }(), sA(_, _, 0), make_shape(Int<Config::kTileA>{}, Int<kBlockK>{}));
+  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, [&] {
+    if constexpr (kSwapAB) return mX; else return mW;
+  }(), sB(_, _, 0), make_shape(Int<Config::kTileB>{}, Int<kBlockK>{}));
 
   const int k_splits = a.k_splits > 1 ? a.k_splits : 1;
   if (k_splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
   const bool vector_out = a.n % 8 == 0 && a.ldo % 8 == 0 &&
                           reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
-  SwapAbParams p{a.out, a.partial, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
-                 a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, vector_out};
-  auto kernel = &moe_gemm_swapab_sm90_kernel<Config, Element, decltype(tma_w), decltype(tma_x),
-                                             kPromoteInterval>;
+  MoeGemmParams p{a.out, a.partial, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
+                  a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, vector_out};
+  auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
+                                      kPromoteInterval, decltype(tma_a), decltype(tma_b)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Config::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -432,7 +477,7 @@ cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t strea
                              std::min<int64_t>(a.num_experts, a.m_total);
   const int64_t unit_bound = tile_bound * ((a.n + kBlockN - 1) / kBlockN) * k_splits;
   const dim3 grid(unsigned(std::min<int64_t>(a.sm_count, unit_bound)));
-  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, tma_w, tma_x);
+  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, tma_a, tma_b);
   err = cudaGetLastError();
   if (err != cudaSuccess || k_splits == 1) return err;
   constexpr int kReduceThreads = 256, kReduceRows = 8;
@@ -446,19 +491,36 @@ cudaError_t launch_moe_gemm_swapab_sm90(const MoeGemmArgs& a, cudaStream_t strea
   return cudaGetLastError();
 }
 
-// The instantiation for (dtype, token tile): every other template argument is the heuristic's
-// config of that tile, so what the host logs is what runs.
-template <heuristics::GemmDtype kDtype, int kBlockT>
-cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
-  constexpr heuristics::GroupedGemmConfig c = heuristics::swapab_config(kDtype, kBlockT);
+// The instantiation of a heuristic config: every template argument comes from it, so what the
+// host logs is what runs.
+template <heuristics::GemmDtype kDtype, const heuristics::GroupedGemmConfig& c>
+cudaError_t launch_config_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
   using Element = std::conditional_t<kDtype == heuristics::GemmDtype::kBf16,
                                      cutlass::bfloat16_t, cutlass::float_e4m3_t>;
-  using Config = SwapAbConfig<Element, c.block_n, kBlockT, c.block_k, c.stages, c.promote_interval>;
+  using Config = MoeGemmConfig<Element, c.swap_ab, c.block_n, c.block_t, c.block_k, c.stages,
+                               c.promote_interval>;
   static_assert(Config::kSmemBytes == c.smem_bytes,
                 "the heuristic's shared-memory model is the kernel's SharedStorage");
   static_assert(c.block_k * sizeof(Element) == 128, "a k-tile is one 128-byte swizzle row");
-  return launch_moe_gemm_swapab_sm90<Element, c.block_n, kBlockT, c.block_k, c.stages,
-                                     c.promote_interval>(args, stream);
+  return launch_moe_gemm_sm90<Element, c.swap_ab, c.block_n, c.block_t, c.block_k, c.stages,
+                              c.promote_interval>(args, stream);
+}
+
+// Swap-AB with token tile kBlockT, and the standard mapping (explicitly instantiated in
+// csrc/instantiations/).
+template <heuristics::GemmDtype kDtype, int kBlockT>
+inline constexpr heuristics::GroupedGemmConfig kSwapAbConfig = heuristics::swapab_config(kDtype, kBlockT);
+template <heuristics::GemmDtype kDtype>
+inline constexpr heuristics::GroupedGemmConfig kStandardConfig = heuristics::standard_config(kDtype);
+
+template <heuristics::GemmDtype kDtype, int kBlockT>
+cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  return launch_config_sm90<kDtype, kSwapAbConfig<kDtype, kBlockT>>(args, stream);
+}
+
+template <heuristics::GemmDtype kDtype>
+cudaError_t moe_gemm_standard_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  return launch_config_sm90<kDtype, kStandardConfig<kDtype>>(args, stream);
 }
 
 }  // namespace hopper_moe::gemm
