@@ -5,8 +5,9 @@
 // weight rows: one 64-row wgmma per consumer warpgroup) and the tokens are the narrow N side
 // (kBlockT = 16..128). Every expert's weights are then read once per token tile.
 // Standard (many tokens): C = X . W^T. The token tile takes the A side (kBlockT = 128 rows, 64
-// per consumer warpgroup) and the weight tile the N side (kBlockN = 256 bf16, 128 FP8), so a
-// k-tile does twice the math of the 128 x 128 swap-AB tile per byte of shared memory.
+// per consumer warpgroup) and the weight tile the N side (kBlockN = 256 bf16, 128 FP8): a bf16
+// k-tile does twice the math of the 128 x 128 swap-AB tile for 1.5 times its bytes, and FP8
+// (whose promoted accumulator doubles the registers) gets a 128-token tile, twice swap-AB's.
 // The host picks the mapping and the tiles per launch from the rows the fullest expert is
 // expected to get (heuristics/sm90.h), so a typical expert fits one token tile; one with more
 // rows takes several, each streaming its weights again.
@@ -154,7 +155,7 @@ struct MoeGemmUnit {
 
 template <int kBlockN, int kBlockT, int kBlockK>
 CUTLASS_DEVICE MoeGemmUnit decode_moe_gemm_unit(const MoeGemmParams& p, const int* tile_prefix,
-                                             int n_tiles, int64_t unit) {
+                                               int n_tiles, int64_t unit) {
   MoeGemmUnit u;
   u.split = int(unit % p.k_splits);
   const int64_t rest = unit / p.k_splits;
