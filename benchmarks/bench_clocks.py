@@ -4,8 +4,8 @@ by nvidia-smi alongside, to tell a kernel's spread from the GPU's power manageme
     python benchmarks/bench_clocks.py --shape mixtral --dtype bf16 --m 1024
 
 Two passes of --iters replays, L2 evicted before each: "sync" waits for every replay (its
-end time is matched to the nearest nvidia-smi sample), "burst" queues them back to back as
-bench_moe.py's timing does. Prints each pass's p10 / median / p90 and a 50 us histogram, then
+end time is matched to the nearest nvidia-smi sample), "burst" is bench_moe.py's timing core
+(common.event_loop: all replays queued, one synchronize). Prints each pass's p10 / median / p90 and a 50 us histogram, then
 the mean SM clock and power of the samples nearest to the fast and the slow half of the sync
 replays, the throttle reasons seen and the clock range. The raw samples go to --out. Needs a
 CUDA GPU and nvidia-smi.
@@ -105,16 +105,7 @@ def main(argv=None) -> int:
                 e.record()
                 e.synchronize()
                 sync.append((time.time(), s.elapsed_time(e) * 1e3))
-            events = []
-            for _ in range(args.iters):
-                evict()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                events.append((s, e))
-            torch.cuda.synchronize()
-            burst = [s.elapsed_time(e) * 1e3 for s, e in events]
+            burst = C.event_loop(graph.replay, evict, args.iters)
             time.sleep(0.3)
         finally:
             smi.terminate()

@@ -233,7 +233,7 @@ def _detach_copy(out: Any) -> Any:
     return out
 
 
-def _event_loop(run: Callable[[], Any], evict: Callable[[], None] | None, iters: int) -> list[float]:
+def event_loop(run: Callable[[], Any], evict: Callable[[], None] | None, iters: int) -> list[float]:
     """The timed core: for each iteration, [evict] then events around `run` only. The host
     enqueues everything before one synchronize, and a sleep kernel up front lets it get ahead,
     so the start event is never stamped while the GPU waits on the host."""
@@ -268,7 +268,7 @@ def time_cuda(fn: Callable[[], Any], *, iters: int = 100, warmup: int = 10,
         else:
             for _ in range(warmup):
                 graph.replay()
-            samples = _event_loop(graph.replay, evict, iters)
+            samples = event_loop(graph.replay, evict, iters)
             out = _detach_copy(out)  # the output of the last timed replay
             del graph
             return _summary(samples, "graph"), out
@@ -278,7 +278,7 @@ def time_cuda(fn: Callable[[], Any], *, iters: int = 100, warmup: int = 10,
         holder["out"] = fn()
     for _ in range(max(1, warmup)):
         eager()
-    samples = _event_loop(eager, evict, iters)
+    samples = event_loop(eager, evict, iters)
     return _summary(samples, "eager", note), holder.get("out")
 
 
