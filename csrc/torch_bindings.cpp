@@ -82,9 +82,17 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.def("cutlass_group_gemm_supported(int cuda_device_capability) -> bool",
         &hopper_moe::cutlass_group_gemm_supported);
   // hopper_moe's own grouped GEMM entry: out[r] = a[r] . b[e]^T for the rows r of expert e.
+  // offsets_ready: the kernel launched just before on the stream does not write
+  // expert_offsets, so the CUDA kernel may read them, and start streaming weights, before that
+  // kernel completes (programmatic dependent launch). No effect on the result or on the CPU.
   m.def(
       "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-      "Tensor? a_scales, Tensor? b_scales) -> ()");
+      "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()");
+  // The same GEMM over b = [gate; up] per expert, with SiLU*mul (and an optional static FP8
+  // quantization) in its epilogue: out[r, j] = silu(g[r, j]) * u[r, j].
+  m.def(
+      "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
+      "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False) -> ()");
   // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
   m.def(
       "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "
@@ -112,6 +120,7 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("get_cutlass_moe_mm_problem_sizes_from_expert_offsets",                              \
          &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);                          \
   m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);                                          \
+  m.impl("moe_grouped_gemm_silu_mul", &ns::moe_grouped_gemm_silu_mul);                        \
   m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }

@@ -92,25 +92,25 @@ def test_available_on_cpu_and_only_on_sm90():
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_channel"])
 def test_gemm_only_entry_runs_both_gemms(scheme):
-    """fused_moe.make_gemm_only("cute", ...): GEMM1's output is the sorted rows times each
-    expert's w1 (per the CPU definition), and replays are deterministic."""
+    """fused_moe.make_gemm_only("cute", ...): GEMM1's output is SiLU*mul of the sorted rows
+    times each expert's w1 (per the CPU definition), and replays are deterministic."""
     import importlib
 
-    from hopper_moe.reference import moe_grouped_gemm_ref
+    from hopper_moe.reference import moe_grouped_gemm_ref, silu_mul_f32_ref
 
     fm = importlib.import_module("hopper_moe.fused_moe")  # the name fused_moe is the function
 
     p = make_problem(9, 4, 2, 128, 64, scheme=scheme, seed=5)
     fn = fm.make_gemm_only("cute", p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, quant=p.quant)
     h, y = (t.clone() for t in fn())
-    assert h.shape == (18, 128) and y.shape == (18, 128)
+    assert h.shape == (18, 64) and y.shape == (18, 128)
     h2, y2 = fn()
     assert torch.equal(h, h2) and torch.equal(y, y2)
     order, _, _, offs_end = fm.sort_slots_by_expert(p.topk_ids, 4, 4, None)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), offs_end.long()])
     rows = p.x[order // 2]
     if p.quant is None:
-        want = moe_grouped_gemm_ref(rows.bfloat16(), p.w1, offsets)
+        want = silu_mul_f32_ref(moe_grouped_gemm_ref(rows.bfloat16(), p.w1, offsets))
         torch.testing.assert_close(h.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.isfinite(y.float()).all() and y.float().abs().max() > 0
     with pytest.raises(NotImplementedError, match="torch"):

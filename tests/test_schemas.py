@@ -50,7 +50,9 @@ CUTLASS_MOE_MM = (
 # hopper_moe's own ops (not vLLM's): their schemas are pinned here.
 OWN = [
     "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-    "Tensor? a_scales, Tensor? b_scales) -> ()",
+    "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()",
+    "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
+    "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False) -> ()",
 ]
 
 

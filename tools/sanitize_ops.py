@@ -83,7 +83,8 @@ def layer_ops(T, E, K, H, I, expert_map=None, **kw):
 
 def gemm_ops(counts, n, k):
     """moe_grouped_gemm (bf16; FP8 per-token x per-channel) with these rows per expert, then
-    cutlass_moe_mm on the same rows: N and K tails, empty experts, one expert with every row."""
+    cutlass_moe_mm on the same rows, then moe_grouped_gemm_silu_mul (bf16 and e4m3 outputs)
+    and a GEMM after it: N and K tails, empty experts, one expert with every row."""
     e, m = len(counts), sum(counts)
     offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(dev)
     a, b = randn(m, k), randn(e, n, k)
@@ -99,6 +100,12 @@ def gemm_ops(counts, n, k):
     out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     ops.cutlass_moe_mm(out, aq, bq, sa, sb, offs[:-1], sizes, strides, strides,
                        torch.full((e,), n, dtype=torch.int64, device=dev), True, True)
+    if n % 2 == 0:  # SiLU*mul in the epilogue: bf16 out, e4m3 out, GEMM2 after it (PDL)
+        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True)
+        if (n // 2) % 8 == 0:  # GEMM2's K rows of 16-byte multiples
+            ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True)
+        ops.moe_grouped_gemm_silu_mul(aq, bq, offs, sa, sb,
+                                      torch.full((1,), 0.05, device=dev))
     torch.cuda.synchronize()
 
 

@@ -7,19 +7,19 @@
 
 namespace hopper_moe::check {
 
-// out [M, N] bf16; a [M, K] bf16 or fp8 e4m3 (last dim contiguous, 16-byte aligned rows);
-// b [E, N, K] of a's dtype, contiguous; expert_offsets int64 [E + 1] (row ranges of a and out;
-// their values are data and are not checked here: the kernels clamp them into [0, M]);
-// a_scales f32 [1] or [M] / [M, 1]; b_scales f32 [E] or [E, N] / [E, N, 1]. Scales are
-// required with fp8 operands and rejected with bf16 ones.
-void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales) {
-  constexpr const char* kOp = "moe_grouped_gemm";
+namespace {
+
+// a [M, K] bf16 or fp8 e4m3 (last dim contiguous, 16-byte aligned rows); b [E, N, K] of a's
+// dtype, contiguous; expert_offsets int64 [E + 1] (row ranges of a and out; their values are
+// data and are not checked here: the kernels clamp them into [0, M]); a_scales f32 [1] or
+// [M] / [M, 1]; b_scales f32 [E] or [E, N] / [E, N, 1]. Scales are required with fp8
+// operands and rejected with bf16 ones. out: out_cols columns, M rows, last dim contiguous.
+void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
+                    const at::Tensor& a, const at::Tensor& b, const at::Tensor& expert_offsets,
+                    const OptTensor& a_scales, const OptTensor& b_scales) {
   HM_CHECK_DTYPE(kOp, a, {at::kBFloat16, at::kFloat8_e4m3fn});
   HM_CHECK(kOp, b.scalar_type() == a.scalar_type(), "b must have the dtype of a (",
            a.scalar_type(), "), got ", b.scalar_type());
-  HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
   HM_CHECK_DTYPE(kOp, expert_offsets, at::kLong);
   HM_CHECK_DIM(kOp, a, 2);
   HM_CHECK_DIM(kOp, b, 3);
@@ -28,7 +28,9 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   const int64_t m = a.size(0), k = a.size(1), e = b.size(0), n = b.size(1);
   HM_CHECK_SIZE(kOp, b, 2, k, "K, the columns of a");
   HM_CHECK_SIZE(kOp, out, 0, m, "the rows of a");
-  HM_CHECK_SIZE(kOp, out, 1, n, "N, the rows of each expert of b");
+  HM_CHECK(kOp, out.size(1) == out_cols, "out.size(1) must be ", out_cols, " (",
+           out_cols == n ? "N, the rows of each expert of b" : "N / 2, half the rows of each expert of b",
+           "), got ", out.size(1));
   HM_CHECK_NUMEL(kOp, expert_offsets, e + 1, "num_experts + 1 row offsets");
   HM_CHECK_SAME_DEVICE(kOp, b, a);
   HM_CHECK_SAME_DEVICE(kOp, out, a);
@@ -69,6 +71,44 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
              "b_scales must have shape [E] (per expert) or [E, N] / [E, N, 1] (per channel) ",
              "with E = ", e, ", N = ", n, ", got ", bs.sizes());
   }
+}
+
+}  // namespace
+
+// out [M, N] bf16, the operands as check_operands says.
+void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                      const OptTensor& b_scales, bool /*offsets_ready*/) {
+  constexpr const char* kOp = "moe_grouped_gemm";
+  HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
+  HM_CHECK_DIM(kOp, b, 3);
+  check_operands(kOp, out, b.size(1), a, b, expert_offsets, a_scales, b_scales);
+}
+
+// b [E, 2I, K] (each expert's gate rows, then its up rows); out [M, I] bf16, or
+// Float8_e4m3fn with out_scale f32 [1] (the static per-tensor scale of the result).
+void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                               const OptTensor& b_scales, const OptTensor& out_scale,
+                               bool /*offsets_ready*/) {
+  constexpr const char* kOp = "moe_grouped_gemm_silu_mul";
+  HM_CHECK_DIM(kOp, b, 3);
+  HM_CHECK(kOp, b.size(1) % 2 == 0,
+           "b.size(1) must be even: each expert holds I gate rows, then I up rows (got ",
+           b.size(1), ")");
+  if (out_scale) {
+    check_dtype_named(kOp, out, "out", at::kFloat8_e4m3fn);
+    check_dtype_named(kOp, *out_scale, "out_scale", at::kFloat);
+    HM_CHECK(kOp, out_scale->numel() == 1,
+             "out_scale must hold 1 value (a static per-tensor scale), got shape ",
+             out_scale->sizes());
+    check_same_device_named(kOp, *out_scale, "out_scale", a, "a");
+  } else {
+    HM_CHECK(kOp, out.scalar_type() == at::kBFloat16,
+             "out must be BFloat16 without out_scale (Float8_e4m3fn needs out_scale), got ",
+             out.scalar_type());
+  }
+  check_operands(kOp, out, b.size(1) / 2, a, b, expert_offsets, a_scales, b_scales);
 }
 
 // cutlass_moe_mm (vLLM's schema; row ranges in gemm/cutlass_moe_mm_args.h): out_tensors

@@ -17,8 +17,8 @@ namespace hopper_moe::cpu {
 
 void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales) {
-  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales);
+                      const OptTensor& b_scales, bool offsets_ready) {
+  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
   const int64_t m = a.size(0), e_count = b.size(0), n = b.size(1);
   if (m == 0 || n == 0) return;
   const auto offsets = expert_offsets.cpu();
@@ -41,6 +41,34 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
   }
 }
 
+// moe_grouped_gemm_silu_mul: the GEMM into a bf16 [M, 2I] temporary, then, on the rows each
+// expert owns, silu_and_mul (bf16 out) or silu_and_mul_quant (e4m3 out with out_scale) of
+// those rows: the composition the fused CUDA epilogue computes in one pass.
+void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                               const OptTensor& b_scales, const OptTensor& out_scale,
+                               bool offsets_ready) {
+  check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
+                                   offsets_ready);
+  const int64_t m = a.size(0), e_count = b.size(0);
+  if (m == 0 || out.size(1) == 0) return;
+  at::Tensor h = at::zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
+  moe_grouped_gemm(h, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
+  const auto offsets = expert_offsets.cpu();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t begin = std::clamp<int64_t>(off[e], 0, m);
+    const int64_t end = std::clamp<int64_t>(off[e + 1], begin, m);
+    if (end == begin) continue;
+    at::Tensor rows = out.slice(0, begin, end);
+    if (out_scale) {
+      silu_and_mul_quant(rows, h.slice(0, begin, end), *out_scale);
+    } else {
+      silu_and_mul(rows, h.slice(0, begin, end));
+    }
+  }
+}
+
 // cutlass_moe_mm: moe_grouped_gemm over the row ranges of gemm/cutlass_moe_mm_args.h.
 void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                     const at::Tensor& b_tensors, const at::Tensor& a_scales,
@@ -53,7 +81,8 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                         per_out_ch);
   const at::Tensor offsets = gemm::cutlass_moe_mm_row_offsets(
       expert_offsets, problem_sizes, gemm::cutlass_moe_mm_swapped(a_tensors));
-  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales);
+  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales,
+                   /*offsets_ready=*/false);
 }
 
 }  // namespace hopper_moe::cpu

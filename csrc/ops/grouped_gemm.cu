@@ -1,4 +1,4 @@
-// CUDA launcher of moe_grouped_gemm: the SM90 grouped GEMM (csrc/include/hopper_moe/gemm), its
+// CUDA launchers of moe_grouped_gemm and moe_grouped_gemm_silu_mul: the SM90 grouped GEMM (csrc/include/hopper_moe/gemm), its
 // mapping (swap-AB or standard), token tile and K split chosen per launch from the shapes
 // (heuristics/sm90.h; the expert row counts stay on the device). The kernel is sm_90a code
 // (wgmma, TMA): other GPUs get a clear error instead of a launch failure. Validated on an H200
@@ -14,6 +14,7 @@
 #include <string>
 
 #include "hopper_moe/common/checks.h"
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
 #include "hopper_moe/heuristics/sm90.h"
@@ -21,11 +22,14 @@
 
 namespace hopper_moe::cuda {
 
-void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales) {
-  constexpr const char* kOp = "moe_grouped_gemm";
-  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales);
+namespace {
+
+// The launch shared by both ops (arguments checked by the caller): the config from the
+// heuristic and the overrides, the K split's workspace, the kernel.
+void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
+                         const at::Tensor& b, const at::Tensor& expert_offsets,
+                         const OptTensor& a_scales, const OptTensor& b_scales, bool silu_mul,
+                         const OptTensor& out_scale, bool offsets_ready) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(a.device().index());
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
@@ -88,9 +92,34 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
     args.b_mode = b_scales->numel() == b.size(0) ? gemm::ScaleMode::kPerTensor
                                                   : gemm::ScaleMode::kPerRow;
   }
+  args.silu_mul = silu_mul;
+  args.act_n = silu_mul ? int(b.size(1) / 2) : 0;
+  args.out_scale = out_scale ? out_scale->data_ptr<float>() : nullptr;
+  args.pdl = pdl::enabled_by_env();
+  args.offsets_ready = offsets_ready;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));
+}
+
+}  // namespace
+
+void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                      const OptTensor& b_scales, bool offsets_ready) {
+  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
+  launch_grouped_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales,
+                      /*silu_mul=*/false, std::nullopt, offsets_ready);
+}
+
+void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                               const OptTensor& b_scales, const OptTensor& out_scale,
+                               bool offsets_ready) {
+  check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
+                                   offsets_ready);
+  launch_grouped_gemm("moe_grouped_gemm_silu_mul", out, a, b, expert_offsets, a_scales,
+                      b_scales, /*silu_mul=*/true, out_scale, offsets_ready);
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on
@@ -110,7 +139,8 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
   const c10::cuda::CUDAGuard guard(a_tensors.device());
   const at::Tensor offsets = gemm::cutlass_moe_mm_row_offsets(
       expert_offsets, problem_sizes, gemm::cutlass_moe_mm_swapped(a_tensors));
-  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales);
+  moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales,
+                   /*offsets_ready=*/false);
 }
 
 }  // namespace hopper_moe::cuda

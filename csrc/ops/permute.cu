@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/align.cuh"
 #include "hopper_moe/moe/permute.cuh"
 #include "ops.h"
@@ -130,12 +131,17 @@ void launch_unpermute(pd::UnpermuteParams p, cudaStream_t stream) {
   const int vec = vectorized ? kVec : 1;
   p.log2_tpr = log2_threads_per_row(p.hidden / vec);
   const unsigned blocks = grid_for(p.num_tokens, kThreads >> p.log2_tpr);
-  if (vectorized) {
-    pd::unpermute_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(p);
-  } else {
-    pd::unpermute_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(p);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // A programmatic dependent launch: its blocks wait (griddepcontrol) for the previous kernel,
+  // so their launch overlaps that kernel's end.
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(blocks);
+  launch.blockDim = dim3(kThreads);
+  launch.stream = stream;
+  cudaLaunchAttribute attr = pdl::programmatic_serialization(pdl::enabled_by_env());
+  launch.attrs = &attr;
+  launch.numAttrs = 1;
+  C10_CUDA_CHECK(vectorized ? cudaLaunchKernelEx(&launch, pd::unpermute_kernel<T, kVec>, p)
+                            : cudaLaunchKernelEx(&launch, pd::unpermute_kernel<T, 1>, p));
 }
 
 }  // namespace

@@ -1,24 +1,25 @@
 """The "cute" backend of fused_experts: the layer around hopper_moe's SM90 grouped GEMM.
 
     (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
-    GEMM1 (moe_grouped_gemm) -> SiLU*mul (+ FP8 quant) -> GEMM2 (moe_grouped_gemm) ->
-    moe_unpermute (weighted sum over k)
+    GEMM1 with SiLU*mul (+ static FP8 quant) in its epilogue (moe_grouped_gemm_silu_mul) ->
+    (dynamic FP8 quant) -> GEMM2 (moe_grouped_gemm) -> moe_unpermute (weighted sum over k)
 
-Both GEMMs are ``torch.ops.hopper_moe.moe_grouped_gemm``: on CUDA the hand-written swap-AB
-wgmma kernel (csrc/include/hopper_moe/gemm), on the CPU its readable definition, so the
-composition is tested in CI. Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3
-per-tensor (static or dynamic activation scales) and per-token activations x per-channel
-weights. Block-wise [128,128] FP8 is not in the kernel yet: ``backend="triton"`` runs it.
+Both GEMMs are the hand-written SM90 wgmma kernel (csrc/include/hopper_moe/gemm) on CUDA and
+their readable definitions on the CPU, so the composition is tested in CI. On CUDA the GEMMs
+and moe_unpermute are programmatic dependent launches: each starts while the kernel before it
+drains, the GEMMs streaming their first weight tiles before their input is complete.
+Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3 per-tensor (static or dynamic
+activation scales) and per-token activations x per-channel weights. Block-wise [128,128] FP8
+is not in the kernel yet: ``backend="triton"`` runs it.
 
-Precision model (what tests compare against): GEMM outputs in bf16, the SiLU*mul output in
-bf16 (except a static per-tensor a2 scale, which silu_and_mul_quant applies without storing
-it), the weighted sum over k in fp32 rounded once to bf16 (then to the input's dtype). No host
-synchronization: the slot order and the expert row offsets stay on the device, so a layer can
-be captured in a CUDA graph.
+Precision model (what tests compare against): GEMM outputs in bf16, the SiLU*mul of those
+bf16 values in fp32, rounded once to bf16 (or quantized directly with a static per-tensor a2
+scale), the weighted sum over k in fp32 rounded once to bf16 (then to the input's dtype). No
+host synchronization: the slot order and the expert row offsets stay on the device, so a
+layer can be captured in a CUDA graph.
 
-Not yet fused: quantization, permutation, SiLU*mul and the final sum are separate launches
-(hopper_moe's ops; ~7 per layer around the two GEMMs); moving them into the GEMM's prologue
-and epilogue is the next step.
+Not yet fused: the activation quantization, the permutation and the final sum are separate
+launches (hopper_moe's ops).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 from . import ops
 
 _GEMM = torch.ops.hopper_moe.moe_grouped_gemm.default
+_GEMM1 = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default
 
 
 def _fail(msg: str) -> None:
@@ -107,16 +109,29 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
-def _gemm2_operands(h, w2, quant):
-    """SiLU*mul of GEMM1's output h and GEMM2's operands: (a2, its scale, w2, w2's scale)."""
+def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready):
+    """GEMM1 with SiLU*mul (+ a static FP8 quantization) in its epilogue, and GEMM2's other
+    operands: (a2 [S, I], its scale, w2 in the GEMM's dtype, w2's scale)."""
+    num_slots, inter = a1.shape[0], w1g.shape[1] // 2
+    dev = a1.device
     if quant is None:
-        return ops.silu_and_mul(None, h), None, w2.to(torch.bfloat16).contiguous(), None
+        a2 = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=dev)
+        _GEMM1(a2, a1, w1g, offsets, None, None, None, offsets_ready)
+        return a2, None, w2.to(torch.bfloat16).contiguous(), None
+    w2_scale = _weight_scales(quant.w2_scale, w2, quant)
     if not quant.per_act_token_quant and quant.a2_scale is not None:
-        a2 = ops.silu_and_mul_quant(None, h, quant.a2_scale)
-        a2_scale = quant.a2_scale.float().reshape(1)
-    else:
-        a2, a2_scale = _act_quant(ops.silu_and_mul(None, h), quant, None)
-    return a2, a2_scale, w2.contiguous(), _weight_scales(quant.w2_scale, w2, quant)
+        a2_scale = quant.a2_scale.float().reshape(1).contiguous()
+        a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=dev)
+        _GEMM1(a2, a1, w1g, offsets, a1_scale, w1_scale, a2_scale, offsets_ready)
+        return a2, a2_scale, w2.contiguous(), w2_scale
+    # Dynamic scales: SiLU*mul in bf16, then the quantization over the whole tensor (per
+    # tensor) or each row (per token). Rows past offsets[E] (slots that do not count) are not
+    # written by the GEMM: zeros keep them finite and out of a per-tensor amax.
+    alloc = torch.empty if quant.per_act_token_quant else torch.zeros
+    h = alloc((num_slots, inter), dtype=torch.bfloat16, device=dev)
+    _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready)
+    a2, a2_scale = _act_quant(h, quant, None)
+    return a2, a2_scale, w2.contiguous(), w2_scale
 
 
 def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -130,13 +145,13 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
         hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input,
         global_num_experts, expert_map, quant)
     num_slots = a1.shape[0]
-    # Rows past offsets[E] (slots that do not count) are not written by the GEMM: zeros keep
-    # them finite and out of a dynamic per-tensor amax.
-    h = torch.zeros((num_slots, w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _GEMM(h, a1, w1g, offsets, a1_scale, w1_scale)
-    a2, a2_scale, w2g, w2_scale = _gemm2_operands(h, w2, quant)
+    # The offsets come from moe_permute's sort, whose row gather (H > 0) runs after it: the
+    # kernel just before GEMM1 does not write them, nor does any kernel before GEMM2.
+    ready = w1.shape[2] > 0
+    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
+                                                  quant, ready)
     y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale)
+    _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
     # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
     weights = torch.ones_like(topk_weights, dtype=torch.float32) \
         if apply_router_weight_on_input else topk_weights.float().contiguous()
@@ -152,19 +167,25 @@ def run(*args, **kwargs) -> torch.Tensor:
 
 def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, quant=None):
-    """A zero-argument callable that runs this backend's GEMM1 and GEMM2 only, on operands
-    prepared here once (slots permuted, activations quantized, GEMM2's input from one real
-    pass), for GEMM-only benchmarks. Returns (h, y), the two GEMM outputs."""
+    """A zero-argument callable that runs this backend's two GEMM launches only (GEMM1 with
+    its fused SiLU*mul epilogue, GEMM2), on operands prepared here once (slots permuted,
+    activations quantized), for GEMM-only benchmarks. Returns (a2, y), the two outputs."""
     _check_supported(hidden_states, w1, w2, quant)
     a1, a1_scale, offsets, _, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, False, w1.shape[0], None, quant)
-    h = torch.zeros((a1.shape[0], w1.shape[1]), dtype=torch.bfloat16, device=a1.device)
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _GEMM(h, a1, w1g, offsets, a1_scale, w1_scale)
-    a2, a2_scale, w2g, w2_scale = _gemm2_operands(h, w2, quant)
+    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
+                                                  quant, True)
+    if quant is None:
+        h, out_scale = a2, None
+    elif not quant.per_act_token_quant and quant.a2_scale is not None:  # static: fused quant
+        h, out_scale = a2, a2_scale
+    else:  # dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization
+        h, out_scale = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16,
+                                   device=a1.device), None
 
     def gemms():
-        _GEMM(h, a1, w1g, offsets, a1_scale, w1_scale)
-        _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale)
+        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, out_scale, True)
+        _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
         return h, y
     return gemms

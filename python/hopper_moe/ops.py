@@ -244,14 +244,36 @@ def cutlass_moe_mm(out_tensors: torch.Tensor, a_tensors: torch.Tensor, b_tensors
 
 def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
                      a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, offsets_ready: bool = False) -> torch.Tensor:
     """out[r] = sa(r) * sb(e) * a[r] . b[e]^T for offsets[e] <= r < offsets[e+1].
 
     a [M, K] bf16 or fp8 e4m3 (rows grouped by expert), b [E, N, K] (a's dtype),
     expert_offsets int64 [E + 1]; fp8 needs a_scales f32 ([1] or [M]) and b_scales f32
     ([E] or [E, N]). Returns out [M, N] bf16 (rows outside every expert are not written).
-    On CUDA it runs the SM90 swap-AB kernel (H100/H200 only; other GPUs get a RuntimeError)."""
+    On CUDA it runs the SM90 kernel (H100/H200 only; other GPUs get a RuntimeError).
+    offsets_ready=True promises that the kernel launched just before on the stream does not
+    write expert_offsets: the GEMM then reads them, and starts streaming weights, while that
+    kernel finishes (programmatic dependent launch)."""
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
-    _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales)
+    _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready)
+    return out
+
+
+def moe_grouped_gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
+                              a_scales: torch.Tensor | None = None,
+                              b_scales: torch.Tensor | None = None,
+                              out_scale: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None,
+                              offsets_ready: bool = False) -> torch.Tensor:
+    """GEMM1 of an MoE layer with SiLU*mul in its epilogue: with h = moe_grouped_gemm(a, b, ...)
+    (bf16, b = [gate (I rows); up (I rows)] per expert), out[r, j] = silu(h[r, j]) * h[r, I + j]
+    in fp32, rounded once to bf16, or quantized to e4m3 as clamp(v * (1 / out_scale)) when
+    out_scale (f32 [1], static per tensor) is given. Returns out [M, I]; rows outside every
+    expert are not written. offsets_ready as in moe_grouped_gemm."""
+    if out is None:
+        dtype = torch.float8_e4m3fn if out_scale is not None else torch.bfloat16
+        out = torch.empty((a.shape[0], b.shape[1] // 2), dtype=dtype, device=a.device)
+    _ops.moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
+                                   offsets_ready)
     return out

@@ -61,8 +61,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "hopper_moe/common/fp8.cuh"
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/gemm/moe_gemm_sm90.h"
 #include "hopper_moe/heuristics/sm90.h"
+#include "hopper_moe/moe/activation_math.cuh"
 
 namespace hopper_moe::gemm {
 
@@ -88,6 +91,20 @@ struct MoeGemmConfig {
   using SmemLayoutB = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
       cute::make_shape(cute::Int<kTileB>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
+  // The weight tile of a slot is loaded as two boxes of kBlockN / 2 rows (the gate and the up
+  // half with SiLU*mul fused, else two adjacent halves), the token tile as one box. Rows of a
+  // K-major 128-byte-swizzled tile are contiguous 1024-byte groups of 8, so a half of the tile
+  // and a slot of the ring are plain offsets of the whole ring's layout.
+  static constexpr int kWeightBox = kBlockN / 2;
+  static constexpr int kTileX = kSwapAB ? kTileB : kTileA;
+  using SmemLayoutWBox = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kWeightBox>{}, cute::Int<kBlockK>{})));
+  using SmemLayoutXStage = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileX>{}, cute::Int<kBlockK>{})));
+  static_assert(kWeightBox * kBlockK * sizeof(Element) % 1024 == 0,
+                "a weight half starts on a swizzle period");
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float, AtomShape,
                                                       cute::GMMA::Major::K,
                                                       cute::GMMA::Major::K>());
@@ -125,7 +142,7 @@ struct MoeGemmConfig {
 };
 
 struct MoeGemmParams {
-  void* out;
+  void* out;  // bf16, or e4m3 bytes when out_scale is set
   float* partial;  // [k_splits, m_total, n] fp32 (k_splits > 1 only)
   const int64_t* offsets;
   const float* a_scale;
@@ -138,7 +155,13 @@ struct MoeGemmParams {
   int64_t ldo;
   int k_splits;
   int num_experts;
-  bool vector_out;  // out, ldo and n allow 16-byte stores of 8 columns
+  int n_tiles;      // weight tiles per expert
+  int tile_cols;    // output columns per weight tile: kBlockN, or kBlockN / 2 with SiLU*mul
+  int act_n;        // SiLU*mul: I, the output columns (gate rows [0, I), up rows [I, 2I))
+  bool silu_mul;
+  const float* out_scale;  // SiLU*mul into e4m3: the static per-tensor scale [1]
+  bool offsets_ready;      // offsets may be read before the previous kernel completes
+  bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
 };
 
 // One work unit, decoded the same way by the producer and the consumers.
@@ -159,7 +182,7 @@ CUTLASS_DEVICE MoeGemmUnit decode_moe_gemm_unit(const MoeGemmParams& p, const in
   MoeGemmUnit u;
   u.split = int(unit % p.k_splits);
   const int64_t rest = unit / p.k_splits;
-  u.n0 = int(rest % n_tiles) * kBlockN;
+  u.n0 = int(rest % n_tiles) * p.tile_cols;
   const int tile = int(rest / n_tiles);
   // The expert e with tile_prefix[e] <= tile < tile_prefix[e + 1]: the last e whose prefix is
   // <= tile (experts without rows have tile_prefix[e] == tile_prefix[e + 1] and are skipped).
@@ -179,6 +202,45 @@ CUTLASS_DEVICE MoeGemmUnit decode_moe_gemm_unit(const MoeGemmParams& p, const in
   return u;
 }
 
+// `first` if kFirst, else `second` (by reference).
+template <bool kFirst, class A, class B>
+CUTLASS_DEVICE const auto& pick(const A& first, const B& second) {
+  if constexpr (kFirst) return first; else return second;
+}
+
+// Stores 8 SiLU*mul outputs at element offset `at` of out (min(valid, 8) of them): bf16, or
+// e4m3 as clamp(v * (1 / out_scale)) (silu_and_mul_quant's expression), as one 16- or 8-byte
+// vector when p.vector_out.
+CUTLASS_DEVICE void store_act_row(const MoeGemmParams& p, int64_t at, int valid,
+                                  const float (&act)[8]) {
+  if (p.out_scale != nullptr) {
+    const float inv_scale = 1.0f / *p.out_scale;
+    uint8_t q[8];
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) q[e] = fp8::e4m3_bits(fp8::clamp_e4m3(act[e] * inv_scale));
+    uint8_t* dst = static_cast<uint8_t*>(p.out) + at;
+    if (p.vector_out && valid >= 8) {
+      uint2 packed;
+      memcpy(&packed, q, 8);
+      *reinterpret_cast<uint2*>(dst) = packed;
+    } else {
+      for (int e = 0; e < 8 && e < valid; ++e) dst[e] = q[e];
+    }
+    return;
+  }
+  cutlass::bfloat16_t b[8];
+  CUTE_UNROLL
+  for (int e = 0; e < 8; ++e) b[e] = cutlass::bfloat16_t(act[e]);
+  cutlass::bfloat16_t* dst = static_cast<cutlass::bfloat16_t*>(p.out) + at;
+  if (p.vector_out && valid >= 8) {
+    uint4 packed;
+    memcpy(&packed, b, 16);
+    *reinterpret_cast<uint4*>(dst) = packed;
+  } else {
+    for (int e = 0; e < 8 && e < valid; ++e) dst[e] = b[e];
+  }
+}
+
 template <class Config, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval, class TmaA, class TmaB>
 __global__ void __launch_bounds__(Config::kThreads, 1)
@@ -195,6 +257,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp = cutlass::canonical_warp_idx_sync();
   const int lane = int(threadIdx.x % 32);
+
+  // Programmatic dependent launch: the next kernel's CTAs may start as SMs free up (one CTA per
+  // SM and all of this grid's CTAs resident, so they never hold back this grid). The offsets
+  // are read before waiting for the previous kernel only when the caller says that kernel
+  // does not write them (offsets_ready); the weights never depend on it.
+  pdl::launch_dependents();
+  if (!p.offsets_ready) pdl::wait_for_prerequisites();
 
   // Token tiles per expert (clamped like the CPU definition: begin in [0, M], end in
   // [begin, M]), then their exclusive prefix sum: warp 0 scans lane-sized chunks.
@@ -232,7 +301,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
   __syncthreads();
 
-  const int n_tiles = (p.n + kBlockN - 1) / kBlockN;
+  const int n_tiles = p.n_tiles;
   const int64_t units = int64_t(smem.tile_prefix[p.num_experts]) * n_tiles * p.k_splits;
 
   // Coordinate views of the whole operands, the weights (E*N,K) and the tokens (M,K) on the
@@ -240,8 +309,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // 2^31 (host check).
   const auto shape_w = make_shape(p.num_experts * p.n, p.k);
   const auto shape_x = make_shape(int(p.m_total), p.k);
-  Tensor mA = tma_a.get_tma_tensor(kSwapAB ? shape_w : shape_x);  // (rows,K)
-  Tensor mB = tma_b.get_tma_tensor(kSwapAB ? shape_x : shape_w);  // (rows,K)
   Tensor sA = make_tensor(make_smem_ptr(smem.a.begin()), typename Config::SmemLayoutA{});  // (TILE_A,BLK_K,PIPE)
   Tensor sB = make_tensor(make_smem_ptr(smem.b.begin()), typename Config::SmemLayoutB{});  // (TILE_B,BLK_K,PIPE)
 
@@ -251,28 +318,74 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (warp == 0 && cute::elect_one_sync()) {
       cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
       cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+      const auto& tma_w = pick<kSwapAB>(tma_a, tma_b);  // the descriptors stay in param space
+      const auto& tma_x = pick<kSwapAB>(tma_b, tma_a);
+      Tensor mW = tma_w.get_tma_tensor(shape_w);  // (E*N,K)
+      Tensor mX = tma_x.get_tma_tensor(shape_x);  // (M,K)
+      auto* const w_ring = kSwapAB ? smem.a.begin() : smem.b.begin();
+      auto* const x_ring = kSwapAB ? smem.b.begin() : smem.a.begin();
+      constexpr int kWeightBox = Config::kWeightBox;
+      constexpr int kTileX = Config::kTileX;
+      // Slot s's two weight boxes: rows [r, r + kBlockN / 2) of the expert's N rows from r =
+      // n0 (gate) and act_n + n0 (up) with SiLU*mul fused, else n0 and n0 + kBlockN / 2.
+      const auto copy_weights = [&](const MoeGemmUnit& u, int kt, int s) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const int r = p.silu_mul ? (h == 0 ? u.n0 : p.act_n + u.n0) : u.n0 + h * kWeightBox;
+          Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + r, 0), mW),
+                                 make_shape(Int<kWeightBox>{}, Int<kBlockK>{}),
+                                 make_coord(0, kt));  // (BOX,BLK_K)
+          Tensor sW = make_tensor(
+              make_smem_ptr(w_ring + (s * kBlockN + h * kWeightBox) * kBlockK),
+              typename Config::SmemLayoutWBox{});  // (BOX,BLK_K)
+          auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
+                                        group_modes<0, 2>(gW));
+          copy(tma_w.with(smem.full[s]), tg, ts);
+        }
+      };
+      const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
+        Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
+                               make_shape(Int<kTileX>{}, Int<kBlockK>{}),
+                               make_coord(0, kt));  // (TILE_X,BLK_K)
+        Tensor sX = make_tensor(make_smem_ptr(x_ring + s * kTileX * kBlockK),
+                                typename Config::SmemLayoutXStage{});  // (TILE_X,BLK_K)
+        auto [tg, ts] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                      group_modes<0, 2>(gX));
+        copy(tma_x.with(smem.full[s]), tg, ts);
+      };
+      // With offsets_ready, the first kStages k-tiles' weights are requested before waiting
+      // for the previous kernel (they do not depend on it), their tokens after the wait.
       // Phase 1 first: a fresh barrier counts its preceding phase as complete, so the first
       // kStages waits pass and the ring fills at once.
+      int prefetched = 0;
+      if (p.offsets_ready) {
+        cutlass::PipelineState<kStages> ahead(0, 1, 0);
+        for (int64_t unit = blockIdx.x; unit < units && prefetched < kStages;
+             unit += gridDim.x) {
+          const MoeGemmUnit u =
+              decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
+          for (int kt = u.kt_begin; kt < u.kt_end && prefetched < kStages; ++kt, ++prefetched) {
+            const int s = ahead.index();
+            FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
+            copy_weights(u, kt, s);
+            ++ahead;
+          }
+        }
+      }
+      pdl::wait_for_prerequisites();
       cutlass::PipelineState<kStages> write(0, 1, 0);
+      int issued = 0;
       for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
         const MoeGemmUnit u =
             decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
-        const int row_w = u.expert * p.n + u.n0;   // the weight tile's first row
-        const int row_x = int(u.row_begin) + u.t0;  // the token tile's first row
-        Tensor gA = local_tile(domain_offset(make_coord(kSwapAB ? row_w : row_x, 0), mA),
-                               make_shape(Int<kTileA>{}, Int<kBlockK>{}), make_coord(0, _));  // (TILE_A,BLK_K,k)
-        Tensor gB = local_tile(domain_offset(make_coord(kSwapAB ? row_x : row_w, 0), mB),
-                               make_shape(Int<kTileB>{}, Int<kBlockK>{}), make_coord(0, _));  // (TILE_B,BLK_K,k)
-        auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
-                                          group_modes<0, 2>(gA));  // (TMA,k), (TMA,PIPE)
-        auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                          group_modes<0, 2>(gB));  // (TMA,k), (TMA,PIPE)
-        for (int kt = u.kt_begin; kt < u.kt_end; ++kt) {
+        for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
           const int s = write.index();
-          EmptyBarrier::wait(&smem.empty[s], write.phase());
-          FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
-          copy(tma_a.with(smem.full[s]), tAgA(_, kt), tAsA(_, s));
-          copy(tma_b.with(smem.full[s]), tBgB(_, kt), tBsB(_, s));
+          if (issued >= prefetched) {
+            EmptyBarrier::wait(&smem.empty[s], write.phase());
+            FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
+            copy_weights(u, kt, s);
+          }
+          copy_tokens(u, kt, s);
           ++write;
         }
       }
@@ -282,6 +395,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+  // The tokens arrive after the producer's wait; the scales and the outputs are touched here.
+  pdl::wait_for_prerequisites();
   const int ct = int(threadIdx.x) - Config::kProducerThreads;  // 0..255
   typename Config::TiledMma mma;
   ThrMMA thr_mma = mma.get_thread_slice(ct);
@@ -302,7 +417,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   };
   Tensor acc = thr_mma.make_fragment_C(tCcC);             // fp32, what wgmma accumulates into
   Tensor total = make_fragment_like(acc);                 // FP8: the sum of promoted partials
-  auto* out = static_cast<cutlass::bfloat16_t*>(p.out);
   constexpr int kEpiBarrier = 1;  // named barrier of the 256 consumer threads (0 is syncthreads)
 
   cutlass::PipelineState<kStages> read;  // (slot 0, phase 0)
@@ -353,90 +467,151 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       for (int i = 0; i < size(acc); ++i) total(i) = acc(i);
     }
 
-    // Element (n, t) of the tile belongs to out[row_begin + t0 + t, n0 + n].
+    // Element (n, t) of the tile is weight row w_row(n) of the expert and token row t0 + t.
+    // Without SiLU*mul it belongs to out[row_begin + t0 + t, n0 + n]; with it, tile columns
+    // [0, kBlockN / 2) are gate rows n0 + n and [kBlockN / 2, kBlockN) the up rows of the
+    // same output columns.
+    constexpr int kHalf = kBlockN / 2;
+    const auto w_row = [&](int nl) {
+      return p.silu_mul ? (nl < kHalf ? u.n0 + nl : p.act_n + u.n0 + nl - kHalf) : u.n0 + nl;
+    };
+    const auto col_valid = [&](int nl) {
+      return p.silu_mul ? u.n0 + (nl < kHalf ? nl : nl - kHalf) < p.act_n : u.n0 + nl < p.n;
+    };
     const float tensor_scale = (p.a_mode == ScaleMode::kPerTensor ? p.a_scale[0] : 1.0f) *
                                (p.b_mode == ScaleMode::kPerTensor ? p.b_scale[u.expert] : 1.0f);
-    const auto scaled = [&](int i, int n, int64_t row) {
+    const auto scaled = [&](int i, int wr, int64_t row) {
       float v = total(i) * tensor_scale;
-      if (p.b_mode == ScaleMode::kPerRow) v *= p.b_scale[int64_t(u.expert) * p.n + n];
+      if (p.b_mode == ScaleMode::kPerRow) v *= p.b_scale[int64_t(u.expert) * p.n + wr];
       if (p.a_mode == ScaleMode::kPerRow) v *= p.a_scale[row];
       return v;
     };
     if (p.k_splits > 1) {
-      // The split's scaled fp32 partial tile, straight from registers (the scales are the same
-      // for every split, so the reduce kernel only adds).
+      // The split's scaled fp32 partial tile [row, weight row], straight from registers (the
+      // scales are the same for every split, so the reduce kernel only adds, then applies
+      // SiLU*mul when fused).
       float* partial = p.partial + int64_t(u.split) * p.m_total * p.n;
       CUTE_UNROLL
       for (int i = 0; i < size(total); ++i) {
         const TileCoord c = tile_nt(i);
-        const int n = u.n0 + c.n;
         const int t = u.t0 + c.t;
-        if (n < p.n && t < u.rows) {
+        if (col_valid(c.n) && t < u.rows) {
           const int64_t row = u.row_begin + t;
-          partial[row * p.n + n] = scaled(i, n, row);
+          const int wr = w_row(c.n);
+          partial[row * p.n + wr] = scaled(i, wr, row);
         }
       }
       continue;
     }
-    // Staged: registers -> shared tile c[t][n] (bf16) -> 16-byte row stores. The first barrier
-    // keeps this unit's writes behind the previous unit's reads of c.
+    // Staged: registers -> shared tile c[t][n] (bf16) -> row stores of 8 columns. The first
+    // barrier keeps this unit's writes behind the previous unit's reads of c.
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
     CUTE_UNROLL
     for (int i = 0; i < size(total); ++i) {
       const TileCoord c = tile_nt(i);
       const int nl = c.n, tl = c.t;
-      const int n = u.n0 + nl;
       const int t = u.t0 + tl;
-      const bool valid = n < p.n && t < u.rows;
+      const bool valid = col_valid(nl) && t < u.rows;
       smem.c[tl * Config::kEpilogueLd + nl] =
-          cutlass::bfloat16_t(valid ? scaled(i, n, u.row_begin + t) : 0.0f);
+          cutlass::bfloat16_t(valid ? scaled(i, w_row(nl), u.row_begin + t) : 0.0f);
     }
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
-    constexpr int kVectors = kBlockT * kBlockN / 8;  // 8 bf16 = 16 bytes
-    CUTE_UNROLL
-    for (int v = ct; v < kVectors; v += Config::kConsumerThreads) {
-      const int tl = v / (kBlockN / 8);
-      const int nl = (v % (kBlockN / 8)) * 8;
-      const int t = u.t0 + tl;
-      const int n = u.n0 + nl;
-      if (t >= u.rows || n >= p.n) continue;
-      const cutlass::bfloat16_t* src = &smem.c[tl * Config::kEpilogueLd + nl];
-      cutlass::bfloat16_t* dst = out + (u.row_begin + t) * p.ldo + n;
-      if (p.vector_out) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int j = 0; j < 8 && n + j < p.n; ++j) dst[j] = src[j];
+    if (!p.silu_mul) {
+      auto* out = static_cast<cutlass::bfloat16_t*>(p.out);
+      constexpr int kVectors = kBlockT * kBlockN / 8;  // 8 bf16 = 16 bytes
+      CUTE_UNROLL
+      for (int v = ct; v < kVectors; v += Config::kConsumerThreads) {
+        const int tl = v / (kBlockN / 8);
+        const int nl = (v % (kBlockN / 8)) * 8;
+        const int t = u.t0 + tl;
+        const int n = u.n0 + nl;
+        if (t >= u.rows || n >= p.n) continue;
+        const cutlass::bfloat16_t* src = &smem.c[tl * Config::kEpilogueLd + nl];
+        cutlass::bfloat16_t* dst = out + (u.row_begin + t) * p.ldo + n;
+        if (p.vector_out) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int j = 0; j < 8 && n + j < p.n; ++j) dst[j] = src[j];
+        }
       }
+      continue;
+    }
+    // SiLU*mul: silu(gate) * up in fp32 of the bf16-rounded GEMM outputs (what a separate
+    // silu_and_mul over a bf16 GEMM output computes), then bf16 or e4m3 (static scale).
+    constexpr int kActVectors = kBlockT * kHalf / 8;
+    CUTE_UNROLL
+    for (int v = ct; v < kActVectors; v += Config::kConsumerThreads) {
+      const int tl = v / (kHalf / 8);
+      const int nl = (v % (kHalf / 8)) * 8;
+      const int t = u.t0 + tl;
+      const int j = u.n0 + nl;
+      if (t >= u.rows || j >= p.act_n) continue;
+      const cutlass::bfloat16_t* src = &smem.c[tl * Config::kEpilogueLd + nl];
+      cutlass::bfloat16_t gate[8], up[8];
+      const uint4 gate_bits = *reinterpret_cast<const uint4*>(src);
+      const uint4 up_bits = *reinterpret_cast<const uint4*>(src + kHalf);
+      memcpy(gate, &gate_bits, 16);
+      memcpy(up, &up_bits, 16);
+      float act[8];
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) act[e] = act::silu_mul_f32(float(gate[e]), float(up[e]));
+      store_act_row(p, (u.row_begin + t) * p.ldo + j, p.act_n - j, act);
     }
   }
 }
 
-// Sum of the K splits: out[row, n] = bf16(sum_s partial[s, row, n]) for the rows each expert
-// owns (clamped as in the GEMM). CTA (blockIdx.x = column chunk, .y = block of kRows rows,
-// .z = expert): thread i adds column chunk * kThreads + i of kRows rows. A template so that
-// each instantiation's translation unit has its own weak copy.
+// Sum of the K splits for the rows each expert owns (clamped as in the GEMM): out[row, n] =
+// bf16(sum_s partial[s, row, n]), or with SiLU*mul out[row, j] = act(bf16(sum gate),
+// bf16(sum up)) for the gate and up columns j and act_n + j of the partials. CTA (blockIdx.x
+// = chunk of 8 * kThreads output columns, .y = block of kRows rows, .z = expert): thread i
+// takes 8 adjacent columns of kRows rows. A template so that each instantiation's translation
+// unit has its own weak copy.
 template <int kThreads, int kRows>
 __global__ void __launch_bounds__(kThreads)
-    moe_gemm_splitk_reduce_kernel(cutlass::bfloat16_t* out, int64_t ldo, const float* partial,
-                                  const int64_t* offsets, int64_t m_total, int n,
-                                  int k_splits) {
+    moe_gemm_splitk_reduce_kernel(MoeGemmParams p) {
   const int expert = blockIdx.z;
-  const int64_t row_begin = cute::min(cute::max(offsets[expert], int64_t(0)), m_total);
+  const int64_t row_begin = cute::min(cute::max(p.offsets[expert], int64_t(0)), p.m_total);
   const int64_t rows =
-      cute::min(cute::max(offsets[expert + 1], row_begin), m_total) - row_begin;
-  const int col = blockIdx.x * kThreads + threadIdx.x;
+      cute::min(cute::max(p.offsets[expert + 1], row_begin), p.m_total) - row_begin;
+  const int cols = p.silu_mul ? p.act_n : p.n;
+  const int col = (blockIdx.x * kThreads + threadIdx.x) * 8;
   const int64_t t0 = int64_t(blockIdx.y) * kRows;
-  if (t0 >= rows || col >= n) return;
+  if (t0 >= rows || col >= cols) return;
+  const int valid = cute::min(8, cols - col);
+  const int64_t plane = p.m_total * p.n;
   for (int64_t t = t0; t < cute::min(t0 + kRows, rows); ++t) {
     const int64_t row = row_begin + t;
-    float v = 0.0f;
-    for (int s = 0; s < k_splits; ++s) v += partial[(s * m_total + row) * n + col];
-    out[row * ldo + col] = cutlass::bfloat16_t(v);
+    const float* src = p.partial + row * p.n + col;
+    float sum[8], sum_up[8];
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum[e] = sum_up[e] = 0.0f;
+    for (int s = 0; s < p.k_splits; ++s) {
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) {
+        if (e < valid) {
+          sum[e] += src[s * plane + e];
+          if (p.silu_mul) sum_up[e] += src[s * plane + p.act_n + e];
+        }
+      }
+    }
+    if (!p.silu_mul) {
+      auto* out = static_cast<cutlass::bfloat16_t*>(p.out) + row * p.ldo + col;
+      for (int e = 0; e < valid; ++e) out[e] = cutlass::bfloat16_t(sum[e]);
+      continue;
+    }
+    float act[8];
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      act[e] = act::silu_mul_f32(float(cutlass::bfloat16_t(sum[e])),
+                                 float(cutlass::bfloat16_t(sum_up[e])));
+    }
+    store_act_row(p, row * p.ldo + col, valid, act);
   }
 }
 
 // Builds the TMA descriptors and launches the persistent grid (at most one CTA per SM, no more
-// than the launch can have units), then, with a K split, the reduction of the partial tiles.
+// than the launch can have units; as a programmatic dependent launch unless a.pdl is false),
+// then, with a K split, the reduction of the partial tiles.
 template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval>
 cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
@@ -445,6 +620,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
       MoeGemmConfig<Element, kSwapAB, kBlockN, kBlockT, kBlockK, kStages, kPromoteInterval>;
   if (a.m_total == 0 || a.num_experts == 0 || a.n == 0) return cudaSuccess;
   if (a.num_experts > heuristics::kMaxExperts || a.sm_count <= 0) return cudaErrorInvalidValue;
+  if (a.silu_mul && (a.act_n <= 0 || 2 * int64_t(a.act_n) != a.n)) return cudaErrorInvalidValue;
 
   const auto* w_ptr = static_cast<const Element*>(a.w);
   const auto* x_ptr = static_cast<const Element*>(a.x);
@@ -452,21 +628,25 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                           make_shape(a.num_experts * a.n, a.k), make_stride(int64_t(a.k), Int<1>{}));
   Tensor mX = make_tensor(make_gmem_ptr(x_ptr), make_shape(int(a.m_total), a.k),
                           make_stride(a.ldx, Int<1>{}));
-  auto sA = typename Config::SmemLayoutA{};
-  auto sB = typename Config::SmemLayoutB{};
-  auto tma_a = make_tma_atom(SM90_TMA_LOAD{}, [&] {
-    if constexpr (kSwapAB) return mW; else return mX;
-  }(), sA(_, _, 0), make_shape(Int<Config::kTileA>{}, Int<kBlockK>{}));
-  auto tma_b = make_tma_atom(SM90_TMA_LOAD{}, [&] {
-    if constexpr (kSwapAB) return mX; else return mW;
-  }(), sB(_, _, 0), make_shape(Int<Config::kTileB>{}, Int<kBlockK>{}));
+  auto tma_w = make_tma_atom(SM90_TMA_LOAD{}, mW, typename Config::SmemLayoutWBox{},
+                             make_shape(Int<Config::kWeightBox>{}, Int<kBlockK>{}));
+  auto tma_x = make_tma_atom(SM90_TMA_LOAD{}, mX, typename Config::SmemLayoutXStage{},
+                             make_shape(Int<Config::kTileX>{}, Int<kBlockK>{}));
+  auto tma_a = [&] { if constexpr (kSwapAB) return tma_w; else return tma_x; }();
+  auto tma_b = [&] { if constexpr (kSwapAB) return tma_x; else return tma_w; }();
 
   const int k_splits = a.k_splits > 1 ? a.k_splits : 1;
   if (k_splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
-  const bool vector_out = a.n % 8 == 0 && a.ldo % 8 == 0 &&
-                          reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+  const int out_cols = a.silu_mul ? a.act_n : a.n;
+  const int tile_cols = a.silu_mul ? kBlockN / 2 : kBlockN;
+  const int n_tiles = (out_cols + tile_cols - 1) / tile_cols;
+  const int vector_bytes = a.silu_mul && a.out_scale != nullptr ? 8 : 16;
+  const bool vector_out = out_cols % 8 == 0 && a.ldo % 8 == 0 &&
+                          reinterpret_cast<uintptr_t>(a.out) % vector_bytes == 0;
   MoeGemmParams p{a.out, a.partial, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
-                  a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, vector_out};
+                  a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, n_tiles, tile_cols,
+                  a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr, a.offsets_ready,
+                  vector_out};
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
                                       kPromoteInterval, decltype(tma_a), decltype(tma_b)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -476,19 +656,23 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   // expert with rows wastes at most one partial tile) x weight tiles x K splits.
   const int64_t tile_bound = (a.m_total + kBlockT - 1) / kBlockT +
                              std::min<int64_t>(a.num_experts, a.m_total);
-  const int64_t unit_bound = tile_bound * ((a.n + kBlockN - 1) / kBlockN) * k_splits;
-  const dim3 grid(unsigned(std::min<int64_t>(a.sm_count, unit_bound)));
-  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, tma_a, tma_b);
-  err = cudaGetLastError();
+  const int64_t unit_bound = tile_bound * n_tiles * k_splits;
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(unsigned(std::min<int64_t>(a.sm_count, unit_bound)));
+  launch.blockDim = dim3(Config::kThreads);
+  launch.dynamicSmemBytes = Config::kSmemBytes;
+  launch.stream = stream;
+  cudaLaunchAttribute attr = pdl::programmatic_serialization(a.pdl);
+  launch.attrs = &attr;
+  launch.numAttrs = 1;
+  err = cudaLaunchKernelEx(&launch, kernel, p, tma_a, tma_b);
   if (err != cudaSuccess || k_splits == 1) return err;
-  constexpr int kReduceThreads = 256, kReduceRows = 8;
-  dim3 reduce_grid((a.n + kReduceThreads - 1) / kReduceThreads,
+  constexpr int kReduceThreads = 128, kReduceRows = 8;
+  dim3 reduce_grid((out_cols + 8 * kReduceThreads - 1) / (8 * kReduceThreads),
                    unsigned((a.max_rows_per_expert + kReduceRows - 1) / kReduceRows),
                    unsigned(a.num_experts));
   moe_gemm_splitk_reduce_kernel<kReduceThreads, kReduceRows>
-      <<<reduce_grid, kReduceThreads, 0, stream>>>(static_cast<cutlass::bfloat16_t*>(a.out),
-                                                    a.ldo, a.partial, a.offsets, a.m_total,
-                                                    a.n, k_splits);
+      <<<reduce_grid, kReduceThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -5,7 +5,7 @@
 // for every expert e, token row t < offsets[e+1] - offsets[e] and output column n < N, with
 //   X    [m_total, K]  rows grouped by expert, K contiguous (bf16, or fp8 e4m3)
 //   W    [E, N, K]     K contiguous, the dtype of X
-//   out  [m_total, N]  bf16, row stride ldo
+//   out  [m_total, N]  bf16, row stride ldo (with SiLU*mul: [m_total, N / 2], bf16 or e4m3)
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
 // With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
@@ -49,6 +49,18 @@ struct MoeGemmArgs {
   int k_splits = 1;                   // K split of each CTA's work (heuristics/sm90.h)
   float* partial = nullptr;           // [k_splits, m_total, N] fp32 workspace if k_splits > 1
   int sm_count = 0;                   // SMs of the device: the persistent grid's size bound
+  // SiLU*mul fused into the epilogue (GEMM1 of a layer): w holds [gate (act_n rows); up (act_n
+  // rows)] per expert (n = 2 * act_n) and out [m_total, act_n] gets silu(gate) * up of the
+  // bf16-rounded products, as bf16, or as e4m3 bytes quantized with the static per-tensor
+  // scale out_scale [1] (device) when it is set.
+  bool silu_mul = false;
+  int act_n = 0;
+  const float* out_scale = nullptr;
+  // The launch may overlap the previous kernel on the stream (programmatic dependent launch);
+  // with offsets_ready the caller promises that kernel does not write `offsets`, so they and
+  // the first weight tiles are read before it completes.
+  bool pdl = true;
+  bool offsets_ready = false;
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`

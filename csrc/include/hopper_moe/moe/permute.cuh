@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/align.cuh"
 
 namespace hopper_moe::permute_detail {
@@ -121,6 +122,9 @@ struct GatherParams {
 template <typename U, class SourceFn>
 __global__ void __launch_bounds__(kThreads)
     gather_rows_kernel(SourceFn source, GatherParams p) {
+  // A kernel after this one that reads none of its rows early (the grouped GEMM streams its
+  // weights) may start now.
+  pdl::launch_dependents();
   const int tpr = 1 << p.log2_tpr;
   const int rows_per_block = kThreads >> p.log2_tpr;
   const int lane = static_cast<int>(threadIdx.x) & (tpr - 1);
@@ -164,6 +168,8 @@ struct UnpermuteParams {
 // rounded separately (__fmul_rn/__fadd_rn: no FMA contraction), exactly as the CPU loop.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteParams p) {
+  // Launched as a programmatic dependent of the kernel that wrote `permuted`.
+  pdl::wait_for_prerequisites();
   using P = Pack<T, kVec>;
   const int tpr = 1 << p.log2_tpr;
   const int rows_per_block = kThreads >> p.log2_tpr;

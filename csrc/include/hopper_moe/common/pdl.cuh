@@ -1,0 +1,47 @@
+// Programmatic dependent launch (PDL) between consecutive kernels of one stream.
+//
+// A kernel launched with the programmatic-stream-serialization attribute (launch_attrs below)
+// may start while the kernel before it on the stream still runs, once every CTA of that
+// kernel has called launch_dependents() or exited. It must call wait_for_prerequisites()
+// before it reads anything the earlier kernel writes, or writes anything that kernel reads:
+// the wait returns once the earlier kernel has completed and its memory is visible. Without
+// the attribute both calls are no-ops, so a kernel can always contain them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace hopper_moe::pdl {
+
+// Lets the next kernel on the stream (if launched with the attribute) start its CTAs.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Waits until the previous kernel on the stream has completed and its writes are visible.
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The launch attribute that allows the overlap (one attribute; pass attrs and 1 to
+// cudaLaunchConfig_t).
+inline cudaLaunchAttribute programmatic_serialization(bool enabled) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = enabled ? 1 : 0;
+  return attr;
+}
+
+// HOPPER_MOE_PDL=0 turns the overlap off for every launch that offers it (to measure it).
+inline bool enabled_by_env() {
+  const char* env = std::getenv("HOPPER_MOE_PDL");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+}  // namespace hopper_moe::pdl

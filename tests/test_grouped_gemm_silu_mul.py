@@ -1,0 +1,313 @@
+"""moe_grouped_gemm_silu_mul: GEMM1 with SiLU*mul (and a static FP8 quantization) in its
+epilogue. The CPU definition against the fp32 reference; on an SM90 GPU, the fused kernel
+against the CPU definition and the reference (both mappings, every token tile, K splits,
+tails, strided outputs, CUDA-graph replay, with and without programmatic dependent launch).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import gpu
+from test_grouped_gemm import make_problem, offsets_from_counts, sm90
+from test_heuristics import TILES, rule_k_splits, rule_swap_ab, rule_token_tile
+
+from hopper_moe import ops, reference
+
+FP8 = torch.float8_e4m3fn
+NAN_E4M3 = 0x7F  # the poison byte of e4m3 outputs (a NaN)
+
+
+def make_gated(counts, inter, k, dtype="bf16", a_mode="tensor", b_mode="tensor", seed=0,
+               device="cpu", out_scale=None):
+    """GEMM1's operands with b = [gate; up] per expert (N = 2 * inter), and the static output
+    scale [1] when out_scale is a float."""
+    a, b, offs, sa, sb = make_problem(counts, 2 * inter, k, dtype, a_mode, b_mode, seed=seed,
+                                      device=device)
+    scale = None if out_scale is None else torch.tensor([out_scale], device=device)
+    return a, b, offs, sa, sb, scale
+
+
+def poisoned_out(m, inter, fp8, device, pad=0):
+    if fp8:
+        buf = torch.full((m, inter + pad), NAN_E4M3, dtype=torch.uint8, device=device).view(FP8)
+    else:
+        buf = torch.full((m, inter + pad), float("nan"), dtype=torch.bfloat16, device=device)
+    return buf, buf[:, :inter]
+
+
+def untouched(t):
+    """Elements still holding the poison."""
+    if t.dtype == FP8:
+        return t.view(torch.uint8) == NAN_E4M3
+    return torch.isnan(t.float())
+
+
+def run(a, b, offs, sa, sb, scale, pad=0):
+    inter = b.shape[1] // 2
+    buf, out = poisoned_out(a.shape[0], inter, scale is not None, a.device, pad)
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+    if pad:
+        assert untouched(buf[:, inter:]).all(), "columns past I stay untouched"
+    return out
+
+
+def reference_silu_mul(a, b, offs, sa, sb):
+    """silu(g) * u of the fp32 GEMM reference, NaN on rows outside every expert."""
+    h = reference.moe_grouped_gemm_ref(a.cpu(), b.cpu(), offs.cpu(),
+                                       None if sa is None else sa.cpu(),
+                                       None if sb is None else sb.cpu())
+    return reference.silu_mul_f32_ref(h)
+
+
+def check(out, a, b, offs, sa, sb, scale):
+    """Against the fp32 reference: rows of no expert untouched, the rest within bf16 rounding
+    of the GEMM outputs (and one e4m3 step when quantized)."""
+    ref = reference_silu_mul(a, b, offs, sa, sb)
+    written = ~torch.isnan(ref)
+    o = out.cpu()
+    assert torch.equal(untouched(o), ~written), "rows outside every expert must stay untouched"
+    if scale is None:
+        torch.testing.assert_close(o.float()[written], ref[written], atol=3e-2, rtol=2e-2)
+    else:
+        s = float(scale)
+        deq = o.float() * s
+        torch.testing.assert_close(deq[written], ref[written].clamp(-448 * s, 448 * s),
+                                   atol=4 * s * 2 ** -9 + 3e-2, rtol=0.14)
+
+
+def matches_cpu(out, a, b, offs, sa, sb, scale):
+    """Against the CPU definition (the same bf16 GEMM outputs up to accumulation order): bf16
+    within rounding, e4m3 bytes equal but for a few one-step flips."""
+    cpu = run(a.cpu(), b.cpu(), offs.cpu(), None if sa is None else sa.cpu(),
+              None if sb is None else sb.cpu(), None if scale is None else scale.cpu())
+    o = out.cpu()
+    assert torch.equal(untouched(o), untouched(cpu))
+    keep = ~untouched(cpu)
+    if scale is None:
+        torch.testing.assert_close(o.float()[keep], cpu.float()[keep], atol=2e-2, rtol=2e-2)
+    else:
+        same = (o.view(torch.uint8) == cpu.view(torch.uint8))[keep]
+        assert same.float().mean() >= 0.97, f"{(~same).sum()} of {same.numel()} bytes differ"
+        torch.testing.assert_close(o.float()[keep], cpu.float()[keep], atol=2 ** -9, rtol=0.13)
+
+
+# ------------------------------------------------------------------------------------ CPU
+SCHEMES = [("bf16", "tensor", "tensor", None), ("fp8", "tensor", "tensor", None),
+           ("fp8", "tensor", "tensor", 0.02), ("fp8", "token", "channel", None),
+           ("fp8", "token", "channel", 0.05)]
+CASES = [
+    dict(counts=[3, 0, 5, 1], inter=32, k=128),
+    dict(counts=[17], inter=36, k=80),           # I and K not tile multiples
+    dict(counts=[0, 0, 9, 0], inter=64, k=64),   # one expert holds every row
+    dict(counts=[0, 0, 0], inter=32, k=64),      # no rows at all
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cpu_matches_reference(case, scheme):
+    dtype, a_mode, b_mode, out_scale = scheme
+    if dtype == "bf16" and out_scale is not None:
+        pytest.skip("bf16 operands with an e4m3 output are covered by the FP8 rows")
+    a, b, offs, sa, sb, scale = make_gated(**case, dtype=dtype, a_mode=a_mode, b_mode=b_mode,
+                                           out_scale=out_scale)
+    check(run(a, b, offs, sa, sb, scale), a, b, offs, sa, sb, scale)
+
+
+def test_cpu_is_the_unfused_composition():
+    """Bit for bit: moe_grouped_gemm, then silu_and_mul / silu_and_mul_quant of its rows."""
+    for out_scale in (None, 0.03):
+        a, b, offs, sa, sb, scale = make_gated([2, 0, 3], 48, 64, "fp8", "token", "channel",
+                                               out_scale=out_scale)
+        h = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        ops.moe_grouped_gemm(a, b, offs, sa, sb, out=h)
+        want = ops.silu_and_mul(None, h) if scale is None else \
+            ops.silu_and_mul_quant(None, h, scale)
+        got = run(a, b, offs, sa, sb, scale)
+        assert torch.equal(got.view(torch.uint8) if scale is not None else got,
+                           want.view(torch.uint8) if scale is not None else want)
+
+
+def _bad_calls():
+    a, b, offs, _, _, _ = make_gated([2, 3], 16, 64)
+    out = torch.empty(5, 16, dtype=torch.bfloat16)
+    aq, bq, _, sa, sb, _ = make_gated([2, 3], 16, 64, dtype="fp8")
+    out8 = torch.empty(5, 16, dtype=FP8)
+    one = torch.ones(1)
+    call = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul
+    return [
+        ("even", lambda: call(out, a, b[:, :31].contiguous(), offs, None, None, None)),
+        ("out.size\\(1\\)", lambda: call(torch.empty(5, 32, dtype=torch.bfloat16), a, b, offs,
+                                         None, None, None)),
+        ("out_scale", lambda: call(out8, aq, bq, offs, sa, sb, None)),
+        ("out", lambda: call(out, aq, bq, offs, sa, sb, one)),
+        ("out_scale", lambda: call(out8, aq, bq, offs, sa, sb, torch.ones(2))),
+        ("out_scale", lambda: call(out8, aq, bq, offs, sa, sb, one.double())),
+        ("a_scales", lambda: call(out, aq, bq, offs, None, None, None)),
+        ("expert_offsets", lambda: call(out, a, b, offs[:2], None, None, None)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_bad_inputs_raise(case):
+    name, call = _bad_calls()[case]
+    with pytest.raises(RuntimeError, match=name):
+        call()
+
+
+def test_opcheck():
+    for counts, inter, k, dtype, out_scale in (([1], 16, 32, "bf16", None),
+                                               ([2, 0, 3], 24, 64, "bf16", None),
+                                               ([3, 4], 32, 64, "fp8", 0.1)):
+        a, b, offs, sa, sb, scale = make_gated(counts, inter, k, dtype=dtype,
+                                               out_scale=out_scale)
+        out = torch.zeros(a.shape[0], inter, dtype=FP8 if scale is not None else torch.bfloat16)
+        tests = ("test_faketensor", "test_aot_dispatch_dynamic") if dtype == "fp8" else \
+            ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+        torch.library.opcheck(torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default,
+                              (out, a, b, offs, sa, sb, scale), test_utils=tests)
+
+
+# ------------------------------------------------------------------------------------ GPU
+GPU_SCHEMES = [("bf16", "tensor", "tensor", None), ("fp8", "tensor", "tensor", 0.02),
+               ("fp8", "token", "channel", None)]
+
+
+def _failures(cases, fn):
+    failures = []
+    for label, args in cases:
+        try:
+            fn(*args)
+        except AssertionError as err:
+            failures.append(f"{label}: {str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures[:20])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale):
+    """Random decode problems: E in {1, 8, 64, 128, 256}, 1..64 rows (sometimes all in one
+    expert), I with tails (not a multiple of the 64-column tile, or of 8: element stores)."""
+    rng = random.Random(7)
+    cases = []
+    for case in range(60):
+        e = rng.choice([1, 8, 64, 128, 256])
+        m_tot = rng.choice([1, 2, 7, 16, 33, 64])
+        counts = [0] * e
+        if rng.random() < 0.2:
+            counts[rng.randrange(e)] = m_tot
+        else:
+            for _ in range(m_tot):
+                counts[rng.randrange(e)] += 1
+        inter = rng.choice([64, 100, 128, 132, 256, 384])
+        k = rng.choice([64, 136, 512]) if dtype == "bf16" else rng.choice([128, 144, 512])
+        cases.append((f"case={case} E={e} M={m_tot} I={inter} K={k}",
+                      make_gated(counts, inter, k, dtype, a_mode, b_mode, seed=case,
+                                 device="cuda", out_scale=out_scale)))
+
+    def one(a, b, offs, sa, sb, scale):
+        out = run(a, b, offs, sa, sb, scale)
+        check(out, a, b, offs, sa, sb, scale)
+        matches_cpu(out, a, b, offs, sa, sb, scale)
+    _failures(cases, one)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
+def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_scale,
+                                                  monkeypatch):
+    """Every swap-AB token tile (ragged experts with 3 token tiles, the last partial), the
+    standard mapping at hundreds and at 16k rows, a K split (few units, long K, the reduce
+    kernel's SiLU*mul), an output whose row stride is not a multiple of 8."""
+    kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
+    k = 1032 if dtype == "bf16" else 1040
+    rng = random.Random(3)
+    cases = []
+    e = 16
+    for tile in TILES[kernel_dtype]:
+        m_total = 8 * tile
+        assert rule_token_tile(kernel_dtype, m_total, e) == tile
+        counts = [0, 2 * tile + 5, tile, tile + 1, 1, tile - 1] + [0] * (e - 6)
+        for _ in range(m_total - sum(counts)):
+            counts[rng.randrange(6, e - 1)] += 1
+        cases.append((f"tile={tile}", (counts, 100, k, 0)))
+    for counts, inter in (([300, 0, 129, 513, 0, 7], 200), ([4100, 4000, 0, 4200, 4084], 136)):
+        assert not rule_swap_ab(kernel_dtype, sum(counts), len(counts))
+        cases.append((f"standard M={sum(counts)}", (counts, inter, 512, 0)))
+    assert rule_k_splits(kernel_dtype, 2, 2, 2 * 1024, 8208) > 1
+    cases.append(("k split", ([1, 1], 1024, 8208, 0)))
+    cases.append(("strided out", ([5, 0, 9], 72, 256, 3)))
+
+    def one(counts, inter, kk, pad):
+        a, b, offs, sa, sb, scale = make_gated(counts, inter, kk, dtype, a_mode, b_mode,
+                                               seed=inter + kk, device="cuda",
+                                               out_scale=out_scale)
+        out = run(a, b, offs, sa, sb, scale, pad=pad)
+        check(out, a, b, offs, sa, sb, scale)
+    _failures([(label, args) for label, args in cases], one)
+    # Both mappings forced on one ragged problem.
+    for mapping in ("swap_ab", "standard"):
+        monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", mapping)
+        a, b, offs, sa, sb, scale = make_gated([300, 0, 129, 3], 136, k, dtype, a_mode, b_mode,
+                                               device="cuda", out_scale=out_scale)
+        check(run(a, b, offs, sa, sb, scale), a, b, offs, sa, sb, scale)
+    monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING")
+
+
+@gpu
+@sm90
+def test_cuda_programmatic_launch_changes_nothing(monkeypatch):
+    """The GEMMs of a layer back to back, with offsets_ready and as dependent launches, equal
+    the same launches with HOPPER_MOE_PDL=0 bit for bit (eager and graph-replayed)."""
+    a, b, offs, _, _, _ = make_gated([7, 0, 30, 1], 768, 2048, device="cuda")
+    w2 = (torch.randn(4, 2048, 768, device="cuda") / 768 ** 0.5).bfloat16()
+
+    def layer():
+        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True)
+        return ops.moe_grouped_gemm(h, w2, offs, offsets_ready=True)
+
+    outs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("HOPPER_MOE_PDL", pdl)
+        eager = layer()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = (eager.clone(), captured.clone())
+    monkeypatch.delenv("HOPPER_MOE_PDL")
+    assert torch.equal(outs["1"][0], outs["0"][0])
+    assert torch.equal(outs["1"][1], outs["0"][0])
+    assert torch.equal(outs["0"][1], outs["0"][0])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("out_scale", [None, 0.02])
+def test_cuda_graph_replay_with_new_offsets(out_scale):
+    dtype = "bf16" if out_scale is None else "fp8"
+    replays = ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4], [600, 0, 0, 1])
+    m = max(sum(r) for r in replays)
+    a, b, offs, sa, sb, scale = make_gated([m, 0, 0, 0], 192, 256, dtype, device="cuda",
+                                           out_scale=out_scale)
+    buf, out = poisoned_out(m, 192, scale is not None, "cuda")
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+    for counts in replays:
+        offs.copy_(offsets_from_counts(counts, "cuda"))
+        fresh, _ = poisoned_out(m, 192, scale is not None, "cuda")
+        buf.copy_(fresh)
+        graph.replay()
+        eager = run(a, b, offs, sa, sb, scale)
+        assert torch.equal(out.view(torch.uint8) if scale is not None else out,
+                           eager.view(torch.uint8) if scale is not None else eager)
+        check(out, a, b, offs, sa, sb, scale)
