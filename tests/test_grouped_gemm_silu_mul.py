@@ -62,36 +62,54 @@ def reference_silu_mul(a, b, offs, sa, sb):
     return reference.silu_mul_f32_ref(h)
 
 
-def check(out, a, b, offs, sa, sb, scale):
+def check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=False):
     """Against the fp32 reference: rows of no expert untouched, the rest within bf16 rounding
-    of the GEMM outputs (and one e4m3 step when quantized)."""
+    of the GEMM outputs (and one e4m3 step when quantized). fp8_gemm_error: the GPU's FP8
+    tensor-core sums, whose error (the unfused GEMM's tolerance, 2e-2 + 1%) the product of
+    gate and up amplifies."""
     ref = reference_silu_mul(a, b, offs, sa, sb)
     written = ~torch.isnan(ref)
     o = out.cpu()
     assert torch.equal(untouched(o), ~written), "rows outside every expert must stay untouched"
+    slack = 8e-2 if fp8_gemm_error else 0.0
     if scale is None:
-        torch.testing.assert_close(o.float()[written], ref[written], atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(o.float()[written], ref[written], atol=3e-2 + slack,
+                                   rtol=2e-2 + slack)
     else:
         s = float(scale)
         deq = o.float() * s
         torch.testing.assert_close(deq[written], ref[written].clamp(-448 * s, 448 * s),
-                                   atol=4 * s * 2 ** -9 + 3e-2, rtol=0.14)
+                                   atol=4 * s * 2 ** -9 + 3e-2 + slack, rtol=0.14 + slack)
 
 
-def matches_cpu(out, a, b, offs, sa, sb, scale):
-    """Against the CPU definition (the same bf16 GEMM outputs up to accumulation order): bf16
-    within rounding, e4m3 bytes equal but for a few one-step flips."""
-    cpu = run(a.cpu(), b.cpu(), offs.cpu(), None if sa is None else sa.cpu(),
-              None if sb is None else sb.cpu(), None if scale is None else scale.cpu())
-    o = out.cpu()
-    assert torch.equal(untouched(o), untouched(cpu))
-    keep = ~untouched(cpu)
-    if scale is None:
-        torch.testing.assert_close(o.float()[keep], cpu.float()[keep], atol=2e-2, rtol=2e-2)
-    else:
-        same = (o.view(torch.uint8) == cpu.view(torch.uint8))[keep]
-        assert same.float().mean() >= 0.97, f"{(~same).sum()} of {same.numel()} bytes differ"
-        torch.testing.assert_close(o.float()[keep], cpu.float()[keep], atol=2 ** -9, rtol=0.13)
+def same_bits(x, y):
+    """Equal bit for bit (NaN poison included)."""
+    view = torch.uint8 if x.dtype == FP8 else torch.int16
+    return torch.equal(x.view(view), y.view(view))
+
+
+def unfused_on_device(a, b, offs, sa, sb, scale):
+    """moe_grouped_gemm into a bf16 temporary, then silu_and_mul(_quant) of the rows each expert
+    owns (rows of no expert keep the poison): the fused kernel must equal this bit for bit,
+    since both run the same wgmma sums in the same order."""
+    inter = b.shape[1] // 2
+    h = ops.moe_grouped_gemm(a, b, offs, sa, sb)
+    _, out = poisoned_out(a.shape[0], inter, scale is not None, a.device)
+    bounds = offs.clamp(0, a.shape[0]).tolist()
+    for e in range(b.shape[0]):
+        lo, hi = bounds[e], max(bounds[e + 1], bounds[e])
+        if hi > lo:
+            rows = out[lo:hi]
+            if scale is None:
+                ops.silu_and_mul(rows, h[lo:hi])
+            else:
+                ops.silu_and_mul_quant(rows, h[lo:hi], scale)
+    return out
+
+
+def matches_unfused(out, a, b, offs, sa, sb, scale):
+    assert same_bits(out, unfused_on_device(a, b, offs, sa, sb, scale)), \
+        "fused SiLU*mul differs from moe_grouped_gemm + silu_and_mul on the same device"
 
 
 # ------------------------------------------------------------------------------------ CPU
@@ -212,8 +230,8 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale):
 
     def one(a, b, offs, sa, sb, scale):
         out = run(a, b, offs, sa, sb, scale)
-        check(out, a, b, offs, sa, sb, scale)
-        matches_cpu(out, a, b, offs, sa, sb, scale)
+        matches_unfused(out, a, b, offs, sa, sb, scale)
+        check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     _failures(cases, one)
 
 
@@ -249,14 +267,17 @@ def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_sca
                                                seed=inter + kk, device="cuda",
                                                out_scale=out_scale)
         out = run(a, b, offs, sa, sb, scale, pad=pad)
-        check(out, a, b, offs, sa, sb, scale)
+        matches_unfused(out, a, b, offs, sa, sb, scale)
+        check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     _failures([(label, args) for label, args in cases], one)
     # Both mappings forced on one ragged problem.
     for mapping in ("swap_ab", "standard"):
         monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", mapping)
         a, b, offs, sa, sb, scale = make_gated([300, 0, 129, 3], 136, k, dtype, a_mode, b_mode,
                                                device="cuda", out_scale=out_scale)
-        check(run(a, b, offs, sa, sb, scale), a, b, offs, sa, sb, scale)
+        out = run(a, b, offs, sa, sb, scale)
+        matches_unfused(out, a, b, offs, sa, sb, scale)
+        check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING")
 
 
@@ -308,6 +329,5 @@ def test_cuda_graph_replay_with_new_offsets(out_scale):
         buf.copy_(fresh)
         graph.replay()
         eager = run(a, b, offs, sa, sb, scale)
-        assert torch.equal(out.view(torch.uint8) if scale is not None else out,
-                           eager.view(torch.uint8) if scale is not None else eager)
-        check(out, a, b, offs, sa, sb, scale)
+        assert same_bits(out, eager)
+        check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")

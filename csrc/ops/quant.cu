@@ -18,6 +18,11 @@ namespace {
 
 using quant::kQuantThreads;
 
+// Dynamic per-tensor quantization of at most this many elements runs in one block (a decode
+// step's activations: mixtral's 2 x 14336 at one token, qwen3_30b's 128 x 768 at 16); larger
+// tensors use three kernels.
+constexpr int64_t kSmallDynamicElems = int64_t{1} << 17;
+
 // 2-D grid of the row-wise elementwise kernels: x over vector units of a row, y over rows.
 dim3 rows_grid(int64_t num_rows, int64_t units_per_row, int64_t max_blocks_y) {
   const int64_t bx = std::min<int64_t>((units_per_row + kQuantThreads - 1) / kQuantThreads, 1024);
@@ -99,6 +104,22 @@ void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::T
     const scalar_t* in = input.const_data_ptr<scalar_t>();
     const bool vec = can_vectorize<scalar_t>(in, in_rows.row_stride, out, out_rows.row_stride,
                                              in_rows.row_len);
+    // Small tensors (decode activations): one block does all of it, one launch instead of 3.
+    if (in_rows.num_rows * in_rows.row_len <= kSmallDynamicElems) {
+      if (vec) {
+        quant::dynamic_quant_one_block_kernel<scalar_t, true>
+            <<<1, quant::kOneBlockThreads, 0, stream>>>(out, s, in, in_rows.num_rows,
+                                                        in_rows.row_len, in_rows.row_stride,
+                                                        out_rows.row_stride);
+      } else {
+        quant::dynamic_quant_one_block_kernel<scalar_t, false>
+            <<<1, quant::kOneBlockThreads, 0, stream>>>(out, s, in, in_rows.num_rows,
+                                                        in_rows.row_len, in_rows.row_stride,
+                                                        out_rows.row_stride);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     // 1) scale = floor, 2) scale = max(scale, amax / 448), 3) quantize with it; stream-ordered.
     quant::init_dynamic_scale_kernel<<<1, 1, 0, stream>>>(s);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -99,7 +99,7 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     if quant is None:
         xq, x_scale, w1g, w1_scale = x.to(torch.bfloat16), None, w1.to(torch.bfloat16), None
     else:
-        xq, x_scale = _act_quant(x.float(), quant, quant.a1_scale)
+        xq, x_scale = _act_quant(x, quant, quant.a1_scale)  # bf16 or fp32 rows
         w1g, w1_scale = w1, _weight_scales(quant.w1_scale, w1, quant)
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)

@@ -95,6 +95,44 @@ __global__ void __launch_bounds__(kQuantThreads)
   if (threadIdx.x == 0) fp8::atomic_max_nonneg(scale, a / fp8::kE4M3Max);
 }
 
+// Dynamic per tensor in one block, for small tensors (the launcher's kSmallDynamicElems):
+// *scale = max(kMinScale, amax(|input|) / 448) and q = e4m3(clamp_e4m3(x * (1 / *scale))), the
+// values of the three-kernel path (init, amax, scaled_quant) in one launch. The second pass
+// re-reads the input from L1/L2.
+constexpr int kOneBlockThreads = 1024;
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kOneBlockThreads)
+    dynamic_quant_one_block_kernel(uint8_t* __restrict__ out, float* __restrict__ scale,
+                                   const T* __restrict__ input, int64_t num_rows, int64_t k,
+                                   int64_t in_rs, int64_t out_rs) {
+  __shared__ float smem[33];
+  constexpr int N = kVec ? kVecElems<T> : 1;
+  using InVec = Vec<T, N>;
+  using OutVec = Vec<uint8_t, N>;
+  const int64_t num_units = k / N;
+  const int64_t total = num_rows * num_units;
+  float a = 0.0f;
+  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const InVec v = reinterpret_cast<const InVec*>(input + (i / num_units) * in_rs)[i % num_units];
+#pragma unroll
+    for (int j = 0; j < N; ++j) a = fmaxf(a, fabsf(static_cast<float>(v.v[j])));
+  }
+  a = block_reduce_max(a, smem);
+  const float s = fmaxf(fp8::kMinScale, a / fp8::kE4M3Max);
+  if (threadIdx.x == 0) *scale = s;
+  const float inv_scale = 1.0f / s;
+  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const int64_t row = i / num_units, u = i % num_units;
+    const InVec v = reinterpret_cast<const InVec*>(input + row * in_rs)[u];
+    OutVec o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      o.v[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(v.v[j]) * inv_scale));
+    }
+    reinterpret_cast<OutVec*>(out + row * out_rs)[u] = o;
+  }
+}
+
 // Per row: s = max(min(amax, *scale_ub) / 448, kMinScale); scales[row] = s;
 // q = e4m3(clamp_e4m3(x / s)).
 template <typename T, bool kVec>
