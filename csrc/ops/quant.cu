@@ -19,9 +19,10 @@ namespace {
 using quant::kQuantThreads;
 
 // Dynamic per-tensor quantization of at most this many elements runs in one block (a decode
-// step's activations: mixtral's 2 x 14336 at one token, qwen3_30b's 128 x 768 at 16); larger
-// tensors use three kernels.
-constexpr int64_t kSmallDynamicElems = int64_t{1} << 17;
+// step's activations: mixtral's 2 x 14336 at one token, qwen3_30b's 32 x 768 at four); larger
+// tensors use three kernels. Measured (benchmarks/NOTES.md v13): at 2^17 elements the one
+// block was ~13 us slower than the three launches; at 2^15 and below it saves ~2 us.
+constexpr int64_t kSmallDynamicElems = int64_t{1} << 15;
 
 // 2-D grid of the row-wise elementwise kernels: x over vector units of a row, y over rows.
 dim3 rows_grid(int64_t num_rows, int64_t units_per_row, int64_t max_blocks_y) {

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "hopper_moe/common/fp8.cuh"
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/fp8_quant_utils.cuh"
 
 namespace hopper_moe::quant {
@@ -40,6 +41,7 @@ __global__ void __launch_bounds__(kQuantThreads)
                         const float* __restrict__ scale, int64_t num_rows, int64_t k,
                         int64_t in_rs, int64_t out_rs, int64_t group_m, int64_t group_n,
                         int64_t stride_m, int64_t stride_n) {
+  pdl::launch_dependents();  // a dependent GEMM may stream its weights meanwhile
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
@@ -109,11 +111,15 @@ __global__ void __launch_bounds__(kOneBlockThreads)
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
-  const int64_t num_units = k / N;
-  const int64_t total = num_rows * num_units;
+  pdl::launch_dependents();  // a dependent GEMM may stream its weights meanwhile
+  // 32-bit unit indices: the launcher bounds the tensor far below 2^31 elements.
+  const uint32_t num_units = static_cast<uint32_t>(k / N);
+  const uint32_t total = static_cast<uint32_t>(num_rows) * num_units;
   float a = 0.0f;
-  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const InVec v = reinterpret_cast<const InVec*>(input + (i / num_units) * in_rs)[i % num_units];
+#pragma unroll 4
+  for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const uint32_t row = i / num_units, u = i - row * num_units;
+    const InVec v = reinterpret_cast<const InVec*>(input + row * in_rs)[u];
 #pragma unroll
     for (int j = 0; j < N; ++j) a = fmaxf(a, fabsf(static_cast<float>(v.v[j])));
   }
@@ -121,8 +127,9 @@ __global__ void __launch_bounds__(kOneBlockThreads)
   const float s = fmaxf(fp8::kMinScale, a / fp8::kE4M3Max);
   if (threadIdx.x == 0) *scale = s;
   const float inv_scale = 1.0f / s;
-  for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const int64_t row = i / num_units, u = i % num_units;
+#pragma unroll 4
+  for (uint32_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const uint32_t row = i / num_units, u = i - row * num_units;
     const InVec v = reinterpret_cast<const InVec*>(input + row * in_rs)[u];
     OutVec o;
 #pragma unroll
