@@ -106,7 +106,9 @@ def test_moe_gemm_keys_grow_without_do_not_specialize(monkeypatch):
 def _rope_calls(monkeypatch, counts) -> list:
     rec = Recorder()
     monkeypatch.setattr(inv_rope_quant, "fused_inv_rope_fp8_quant_kernel", rec)
-    x_all, pos_all, cache = make_inputs(8192, 2, torch.bfloat16, device="cpu")
+    # The op takes CPU tensors only under TRITON_INTERPRET=1 (set by conftest without a GPU).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x_all, pos_all, cache = make_inputs(8192, 2, torch.bfloat16, device=device)
     for t in counts:
         inv_rope_quant.fused_inv_rope_fp8_quant(x_all[:t], pos_all[:t], cache, 1, 2)
     return rec.calls
