@@ -21,9 +21,14 @@
 // the same time share a token tile (it stays in L2) and stream different weights.
 //   warpgroup 0, the producer (setmaxnreg down to 40 registers): one elected thread walks the
 //     CTA's units and k-tiles and, per k-tile, waits for a free slot (empty[s]), arms full[s]
-//     with the slot's byte count and issues the two TMA copies (cp.async.bulk.tensor) of the
-//     weight tile and the token tile. It runs up to kStages k-tiles ahead of the math, across
-//     unit boundaries, so the next unit's weights arrive while the consumers run an epilogue.
+//     with the slot's byte count and issues the TMA copies (cp.async.bulk.tensor) of the
+//     weight tile (two boxes of kBlockN / 2 rows: adjacent halves, or with SiLU*mul the gate
+//     rows n0.. and the up rows I + n0..) and the token tile. It runs up to kStages k-tiles
+//     ahead of the math, across unit boundaries, so the next unit's weights arrive while the
+//     consumers run an epilogue.
+//   Programmatic dependent launch: every CTA lets the next kernel start at once; with
+//     offsets_ready the producer requests the first kStages weight tiles before waiting for
+//     the previous kernel (griddepcontrol.wait), the token tiles after it.
 //   warpgroups 1-2, the consumers (setmaxnreg up to 232): each issues the wgmma of its 64 rows
 //     of the A tile x the whole B tile from shared memory and keeps one k-tile's batch in
 //     flight: after issuing k-tile i it waits for i - 1's and releases that slot (empty[s],
@@ -39,10 +44,14 @@
 // barrier the 256 consumer threads store that tile's rows to out[row, n0..] in 16-byte
 // vectors (coalesced: consecutive threads write consecutive columns of a row), masking token
 // rows past the expert's count and columns past N (element stores where N or the row stride
-// is not a multiple of 8). K split (k_splits > 1, chosen by the host when the units would
+// is not a multiple of 8). With SiLU*mul the tile's columns j and j + kBlockN / 2 are a gate
+// and an up value of output column n0 + j: the store phase writes silu(g) * u of the staged
+// bf16 values, as bf16 or as e4m3 with the static out_scale.
+// K split (k_splits > 1, chosen by the host when the units would
 // leave SMs idle): each unit runs its split's k-tiles and writes the scaled fp32 partial tile
 // to partial[split, row, n] from registers; a second kernel adds the splits of every row an
-// expert owns and writes out (rows no expert owns stay untouched).
+// expert owns and writes out, applying SiLU*mul when fused (rows no expert owns stay
+// untouched).
 // Shared memory: heuristics/sm90.h gemm_smem_bytes (rings, epilogue tile, barriers, table).
 // Registers: the accumulator is kBlockN x kBlockT / 256 fp32 per consumer thread (twice for
 // FP8), at most 128.

@@ -14,7 +14,8 @@
 // Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and swap-AB token
 // tile, bf16 16/32/64/128 and FP8 16/32/64 tokens, and one per dtype for the standard mapping;
 // the mapping, tile and K split chosen per launch by heuristics/sm90.h) and validated on an
-// H200 through the ops moe_grouped_gemm and cutlass_moe_mm (tests/test_grouped_gemm.py).
+// H200 through the ops moe_grouped_gemm, moe_grouped_gemm_silu_mul and cutlass_moe_mm
+// (tests/test_grouped_gemm.py, tests/test_grouped_gemm_silu_mul.py).
 // Persistent and warp-specialized (a TMA producer warpgroup, two wgmma consumer warpgroups)
 // over the units of the experts that have rows, for at most heuristics::kMaxExperts experts
 // (benchmarks/NOTES.md).
