@@ -78,7 +78,7 @@ using OptTensor = std::optional<at::Tensor>;
   void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,    \
                                  const at::Tensor& expert_offsets, const OptTensor& a_scales,  \
                                  const OptTensor& b_scales, const OptTensor& out_scale,        \
-                                 bool offsets_ready);                                          \
+                                 bool offsets_ready, const OptTensor& amax_scale);             \
   void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,                    \
                       const at::Tensor& b_tensors, const at::Tensor& a_scales,                 \
                       const at::Tensor& b_scales, const at::Tensor& expert_offsets,            \

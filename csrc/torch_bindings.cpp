@@ -89,10 +89,12 @@ TORCH_LIBRARY(hopper_moe, m) {
       "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
       "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()");
   // The same GEMM over b = [gate; up] per expert, with SiLU*mul (and an optional static FP8
-  // quantization) in its epilogue: out[r, j] = silu(g[r, j]) * u[r, j].
+  // quantization) in its epilogue: out[r, j] = silu(g[r, j]) * u[r, j]. amax_scale (bf16 out):
+  // updated to max(amax_scale, amax |out| / 448), a dynamic per-tensor FP8 scale of out.
   m.def(
       "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-      "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False) -> ()");
+      "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
+      "Tensor(b!)? amax_scale=None) -> ()");
   // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
   m.def(
       "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "

@@ -166,6 +166,8 @@ def _bad_calls():
         ("out_scale", lambda: call(out8, aq, bq, offs, sa, sb, one.double())),
         ("a_scales", lambda: call(out, aq, bq, offs, None, None, None)),
         ("expert_offsets", lambda: call(out, a, b, offs[:2], None, None, None)),
+        ("amax_scale", lambda: call(out8, aq, bq, offs, sa, sb, one, False, torch.ones(1))),
+        ("amax_scale", lambda: call(out, aq, bq, offs, sa, sb, None, False, torch.ones(2))),
     ]
 
 
@@ -186,8 +188,39 @@ def test_opcheck():
         tests = ("test_faketensor", "test_aot_dispatch_dynamic") if dtype == "fp8" else \
             ("test_schema", "test_autograd_registration", "test_faketensor",
              "test_aot_dispatch_dynamic")
+        amax = None if scale is not None else torch.full((1,), 1e-3)
         torch.library.opcheck(torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default,
-                              (out, a, b, offs, sa, sb, scale), test_utils=tests)
+                              (out, a, b, offs, sa, sb, scale, False, amax), test_utils=tests)
+
+
+def dynamic_scale_of(h_rows):
+    """dynamic_scaled_fp8_quant's scale of these bf16 rows (the same device)."""
+    _, scale = ops.scaled_fp8_quant(h_rows)
+    return scale
+
+
+def check_amax_scale(a, b, offs, sa, sb):
+    """amax_scale, started at the floor, ends as the dynamic per-tensor scale of the rows the
+    GEMM writes (rows of no expert zero-filled, as the unfused layer did), bit for bit; and
+    the static quantization with it equals the dynamic one."""
+    floor = torch.full((1,), 1.0 / (448 * 512), device=a.device)
+    h = torch.zeros(a.shape[0], b.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, out=h, amax_scale=floor)
+    want = dynamic_scale_of(h)
+    assert torch.equal(floor, want), (floor.item(), want.item())
+    q_static, _ = ops.scaled_fp8_quant(h, floor)
+    q_dynamic, _ = ops.scaled_fp8_quant(h)
+    assert same_bits(q_static, q_dynamic)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cpu_amax_scale_is_the_dynamic_scale(dtype):
+    for counts, extra in (([3, 0, 5, 1], 2), ([0, 7], 0), ([0, 0], 3)):
+        a, b, offs, sa, sb, _ = make_gated(counts + [extra], 40, 64, dtype, seed=extra)
+        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
+        if sb is not None:
+            sb = sb[:len(counts)].contiguous()
+        check_amax_scale(a, b, offs, sa, sb)
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -279,6 +312,29 @@ def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_sca
         matches_unfused(out, a, b, offs, sa, sb, scale)
         check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_amax_scale_is_the_dynamic_scale(dtype, monkeypatch):
+    """The epilogue's amax fold over swap-AB tiles, the standard mapping, a K split (the
+    reduce kernel's fold) and rows that no expert owns."""
+    cases = [([3, 0, 5, 1], 2, 200, 512), ([1, 1], 0, 1024, 8208),
+             ([300, 0, 129, 513], 3, 136, 512), ([0] * 63 + [9], 0, 256, 256)]
+    failures = []
+    for counts, extra, inter, k in cases:
+        a, b, offs, sa, sb, _ = make_gated(counts + [extra], inter, k, dtype, seed=inter,
+                                           device="cuda")
+        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
+        if sb is not None:
+            sb = sb[:len(counts)].contiguous()
+        try:
+            check_amax_scale(a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"counts={counts}+{extra} I={inter} K={k}: {err}")
+    assert rule_k_splits("bf16" if dtype == "bf16" else "e4m3", 2, 2, 2048, 8208) > 1
+    assert not failures, "\n".join(failures)
 
 
 @gpu

@@ -52,7 +52,8 @@ OWN = [
     "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
     "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()",
     "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-    "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False) -> ()",
+    "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
+    "Tensor(b!)? amax_scale=None) -> ()",
 ]
 
 

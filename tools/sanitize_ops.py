@@ -101,7 +101,8 @@ def gemm_ops(counts, n, k):
     ops.cutlass_moe_mm(out, aq, bq, sa, sb, offs[:-1], sizes, strides, strides,
                        torch.full((e,), n, dtype=torch.int64, device=dev), True, True)
     if n % 2 == 0:  # SiLU*mul in the epilogue: bf16 out, e4m3 out, GEMM2 after it (PDL)
-        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True)
+        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True,
+                                          amax_scale=torch.full((1,), 1e-6, device=dev))
         if (n // 2) % 8 == 0:  # GEMM2's K rows of 16-byte multiples
             ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True)
         ops.moe_grouped_gemm_silu_mul(aq, bq, offs, sa, sb,

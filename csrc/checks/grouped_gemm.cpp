@@ -86,11 +86,12 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 }
 
 // b [E, 2I, K] (each expert's gate rows, then its up rows); out [M, I] bf16, or
-// Float8_e4m3fn with out_scale f32 [1] (the static per-tensor scale of the result).
+// Float8_e4m3fn with out_scale f32 [1] (the static per-tensor scale of the result);
+// amax_scale f32 [1] (bf16 out only).
 void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& expert_offsets, const OptTensor& a_scales,
                                const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool /*offsets_ready*/) {
+                               bool /*offsets_ready*/, const OptTensor& amax_scale) {
   constexpr const char* kOp = "moe_grouped_gemm_silu_mul";
   HM_CHECK_DIM(kOp, b, 3);
   HM_CHECK(kOp, b.size(1) % 2 == 0,
@@ -107,6 +108,14 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
     HM_CHECK(kOp, out.scalar_type() == at::kBFloat16,
              "out must be BFloat16 without out_scale (Float8_e4m3fn needs out_scale), got ",
              out.scalar_type());
+  }
+  if (amax_scale) {
+    HM_CHECK(kOp, !out_scale,
+             "amax_scale (the amax of a bf16 out) cannot be combined with out_scale (e4m3 out)");
+    check_dtype_named(kOp, *amax_scale, "amax_scale", at::kFloat);
+    HM_CHECK(kOp, amax_scale->numel() == 1, "amax_scale must hold 1 value, got shape ",
+             amax_scale->sizes());
+    check_same_device_named(kOp, *amax_scale, "amax_scale", a, "a");
   }
   check_operands(kOp, out, b.size(1) / 2, a, b, expert_offsets, a_scales, b_scales);
 }

@@ -12,6 +12,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace hopper_moe::cpu {
 
@@ -47,9 +48,9 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& expert_offsets, const OptTensor& a_scales,
                                const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool offsets_ready) {
+                               bool offsets_ready, const OptTensor& amax_scale) {
   check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
-                                   offsets_ready);
+                                   offsets_ready, amax_scale);
   const int64_t m = a.size(0), e_count = b.size(0);
   if (m == 0 || out.size(1) == 0) return;
   at::Tensor h = at::zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
@@ -65,6 +66,12 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
       silu_and_mul_quant(rows, h.slice(0, begin, end), *out_scale);
     } else {
       silu_and_mul(rows, h.slice(0, begin, end));
+      if (amax_scale) {
+        // max(scale, amax / 448) with fmaxf's rule: NaN elements do not count.
+        const at::Tensor v = rows.to(at::kFloat).abs();
+        const float amax = at::where(at::isnan(v), at::zeros_like(v), v).max().item<float>();
+        amax_scale->fill_(std::fmax(amax_scale->item<float>(), amax / 448.0f));
+      }
     }
   }
 }

@@ -29,7 +29,8 @@ namespace {
 void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
                          const at::Tensor& b, const at::Tensor& expert_offsets,
                          const OptTensor& a_scales, const OptTensor& b_scales, bool silu_mul,
-                         const OptTensor& out_scale, bool offsets_ready) {
+                         const OptTensor& out_scale, bool offsets_ready,
+                         const OptTensor& amax_scale) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(a.device().index());
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
@@ -95,6 +96,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.silu_mul = silu_mul;
   args.act_n = silu_mul ? int(b.size(1) / 2) : 0;
   args.out_scale = out_scale ? out_scale->data_ptr<float>() : nullptr;
+  args.amax_scale = amax_scale ? amax_scale->data_ptr<float>() : nullptr;
   args.pdl = pdl::enabled_by_env();
   args.offsets_ready = offsets_ready;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
@@ -109,17 +111,17 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const OptTensor& b_scales, bool offsets_ready) {
   check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
   launch_grouped_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales,
-                      /*silu_mul=*/false, std::nullopt, offsets_ready);
+                      /*silu_mul=*/false, std::nullopt, offsets_ready, std::nullopt);
 }
 
 void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& expert_offsets, const OptTensor& a_scales,
                                const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool offsets_ready) {
+                               bool offsets_ready, const OptTensor& amax_scale) {
   check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
-                                   offsets_ready);
+                                   offsets_ready, amax_scale);
   launch_grouped_gemm("moe_grouped_gemm_silu_mul", out, a, b, expert_offsets, a_scales,
-                      b_scales, /*silu_mul=*/true, out_scale, offsets_ready);
+                      b_scales, /*silu_mul=*/true, out_scale, offsets_ready, amax_scale);
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on

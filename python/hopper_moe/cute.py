@@ -109,9 +109,15 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
-def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready):
+def _dynamic_per_tensor(quant) -> bool:
+    return quant is not None and not quant.per_act_token_quant and quant.a2_scale is None
+
+
+def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
+                    a2_floor=None):
     """GEMM1 with SiLU*mul (+ a static FP8 quantization) in its epilogue, and GEMM2's other
-    operands: (a2 [S, I], its scale, w2 in the GEMM's dtype, w2's scale)."""
+    operands: (a2 [S, I], its scale, w2 in the GEMM's dtype, w2's scale). a2_floor: with a
+    dynamic per-tensor a2 scale, the [1] buffer that becomes it (_dynamic_scale_floor)."""
     num_slots, inter = a1.shape[0], w1g.shape[1] // 2
     dev = a1.device
     if quant is None:
@@ -124,14 +130,27 @@ def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
         a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=dev)
         _GEMM1(a2, a1, w1g, offsets, a1_scale, w1_scale, a2_scale, offsets_ready)
         return a2, a2_scale, w2.contiguous(), w2_scale
-    # Dynamic scales: SiLU*mul in bf16, then the quantization over the whole tensor (per
-    # tensor) or each row (per token). Rows past offsets[E] (slots that do not count) are not
-    # written by the GEMM: zeros keep them finite and out of a per-tensor amax.
-    alloc = torch.empty if quant.per_act_token_quant else torch.zeros
-    h = alloc((num_slots, inter), dtype=torch.bfloat16, device=dev)
-    _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready)
-    a2, a2_scale = _act_quant(h, quant, None)
+    h = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=dev)
+    if quant.per_act_token_quant:  # SiLU*mul in bf16, then each row's scale
+        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready)
+        a2, a2_scale = _act_quant(h, quant, None)
+        return a2, a2_scale, w2.contiguous(), w2_scale
+    # Dynamic per tensor: GEMM1's epilogue folds the amax of the rows it writes into the scale
+    # (started at the floor of dynamic_scaled_fp8_quant, so the scale is the same), then one
+    # static quantization. Rows past offsets[E] (slots that do not count) are not written and
+    # never read.
+    a2_scale = _dynamic_scale_floor(dev) if a2_floor is None else a2_floor
+    _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready, a2_scale)
+    a2, _ = ops.scaled_fp8_quant(h, a2_scale)
     return a2, a2_scale, w2.contiguous(), w2_scale
+
+
+def _dynamic_scale_floor(device) -> torch.Tensor:
+    """[1] f32 holding the smallest scale dynamic per-tensor quantization produces."""
+    return torch.full((1,), _MIN_SCALE, dtype=torch.float32, device=device)
+
+
+_MIN_SCALE = 1.0 / (448.0 * 512.0)  # fp8::kMinScale (common/fp8.cuh)
 
 
 def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -141,6 +160,8 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     """Arguments as ``hopper_moe.fused_experts`` after its validation (M > 0,
     global_num_experts resolved)."""
     _check_supported(hidden_states, w1, w2, quant)
+    # Filled here, not just before GEMM1, so that GEMM1 follows the row gather directly.
+    a2_floor = _dynamic_scale_floor(hidden_states.device) if _dynamic_per_tensor(quant) else None
     a1, a1_scale, offsets, inv_idx, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input,
         global_num_experts, expert_map, quant)
@@ -149,7 +170,7 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     # kernel just before GEMM1 does not write them, nor does any kernel before GEMM2.
     ready = w1.shape[2] > 0
     a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
-                                                  quant, ready)
+                                                  quant, ready, a2_floor)
     y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
     # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
@@ -183,9 +204,11 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     else:  # dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization
         h, out_scale = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16,
                                    device=a1.device), None
+    # Dynamic per tensor: GEMM1 folds its amax into a scale buffer, as in the layer.
+    amax = _dynamic_scale_floor(a1.device) if _dynamic_per_tensor(quant) else None
 
     def gemms():
-        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, out_scale, True)
+        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, out_scale, True, amax)
         _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
         return h, y
     return gemms

@@ -265,15 +265,19 @@ def moe_grouped_gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, expert_offsets: 
                               b_scales: torch.Tensor | None = None,
                               out_scale: torch.Tensor | None = None,
                               out: torch.Tensor | None = None,
-                              offsets_ready: bool = False) -> torch.Tensor:
+                              offsets_ready: bool = False,
+                              amax_scale: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM1 of an MoE layer with SiLU*mul in its epilogue: with h = moe_grouped_gemm(a, b, ...)
     (bf16, b = [gate (I rows); up (I rows)] per expert), out[r, j] = silu(h[r, j]) * h[r, I + j]
     in fp32, rounded once to bf16, or quantized to e4m3 as clamp(v * (1 / out_scale)) when
     out_scale (f32 [1], static per tensor) is given. Returns out [M, I]; rows outside every
-    expert are not written. offsets_ready as in moe_grouped_gemm."""
+    expert are not written. offsets_ready as in moe_grouped_gemm. amax_scale (f32 [1], bf16
+    out only; a non-negative start value, e.g. the floor 1 / (448 * 512)) is updated to
+    max(amax_scale, amax |out| / 448) over the rows written: the dynamic per-tensor FP8 scale
+    of out, for static_scaled_fp8_quant to apply."""
     if out is None:
         dtype = torch.float8_e4m3fn if out_scale is not None else torch.bfloat16
         out = torch.empty((a.shape[0], b.shape[1] // 2), dtype=dtype, device=a.device)
     _ops.moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
-                                   offsets_ready)
+                                   offsets_ready, amax_scale)
     return out

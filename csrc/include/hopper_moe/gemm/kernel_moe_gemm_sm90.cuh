@@ -169,6 +169,7 @@ struct MoeGemmParams {
   int act_n;        // SiLU*mul: I, the output columns (gate rows [0, I), up rows [I, 2I))
   bool silu_mul;
   const float* out_scale;  // SiLU*mul into e4m3: the static per-tensor scale [1]
+  float* amax_scale;       // SiLU*mul into bf16: max(*amax_scale, amax |out| / 448) (or null)
   bool offsets_ready;      // offsets may be read before the previous kernel completes
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
 };
@@ -219,9 +220,10 @@ CUTLASS_DEVICE const auto& pick(const A& first, const B& second) {
 
 // Stores 8 SiLU*mul outputs at element offset `at` of out (min(valid, 8) of them): bf16, or
 // e4m3 as clamp(v * (1 / out_scale)) (silu_and_mul_quant's expression), as one 16- or 8-byte
-// vector when p.vector_out.
-CUTLASS_DEVICE void store_act_row(const MoeGemmParams& p, int64_t at, int valid,
-                                  const float (&act)[8]) {
+// vector when p.vector_out. Returns the largest |stored bf16 value| (0 for e4m3; NaN skipped
+// as fmaxf does), for amax_scale.
+CUTLASS_DEVICE float store_act_row(const MoeGemmParams& p, int64_t at, int valid,
+                                   const float (&act)[8]) {
   if (p.out_scale != nullptr) {
     const float inv_scale = 1.0f / *p.out_scale;
     uint8_t q[8];
@@ -235,11 +237,15 @@ CUTLASS_DEVICE void store_act_row(const MoeGemmParams& p, int64_t at, int valid,
     } else {
       for (int e = 0; e < 8 && e < valid; ++e) dst[e] = q[e];
     }
-    return;
+    return 0.0f;
   }
   cutlass::bfloat16_t b[8];
+  float amax = 0.0f;
   CUTE_UNROLL
-  for (int e = 0; e < 8; ++e) b[e] = cutlass::bfloat16_t(act[e]);
+  for (int e = 0; e < 8; ++e) {
+    b[e] = cutlass::bfloat16_t(act[e]);
+    if (e < valid) amax = fmaxf(amax, fabsf(float(b[e])));
+  }
   cutlass::bfloat16_t* dst = static_cast<cutlass::bfloat16_t*>(p.out) + at;
   if (p.vector_out && valid >= 8) {
     uint4 packed;
@@ -247,6 +253,18 @@ CUTLASS_DEVICE void store_act_row(const MoeGemmParams& p, int64_t at, int valid,
     *reinterpret_cast<uint4*>(dst) = packed;
   } else {
     for (int e = 0; e < 8 && e < valid; ++e) dst[e] = b[e];
+  }
+  return amax;
+}
+
+// Folds a warp's amax values into *p.amax_scale as max(*amax_scale, amax / 448) (the dynamic
+// per-tensor scale's expression: division is monotonic, so the max of the quotients is the
+// quotient of the max). Every lane of the warp must call it.
+CUTLASS_DEVICE void fold_amax_scale(const MoeGemmParams& p, float amax) {
+  CUTE_UNROLL
+  for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+  if (threadIdx.x % 32 == 0 && amax > 0.0f) {
+    fp8::atomic_max_nonneg(p.amax_scale, amax / fp8::kE4M3Max);
   }
 }
 
@@ -548,6 +566,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // SiLU*mul: silu(gate) * up in fp32 of the bf16-rounded GEMM outputs (what a separate
     // silu_and_mul over a bf16 GEMM output computes), then bf16 or e4m3 (static scale).
     constexpr int kActVectors = kBlockT * kHalf / 8;
+    float amax = 0.0f;
     CUTE_UNROLL
     for (int v = ct; v < kActVectors; v += Config::kConsumerThreads) {
       const int tl = v / (kHalf / 8);
@@ -564,8 +583,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       float act[8];
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) act[e] = act::silu_mul_f32(float(gate[e]), float(up[e]));
-      store_act_row(p, (u.row_begin + t) * p.ldo + j, p.act_n - j, act);
+      amax = fmaxf(amax, store_act_row(p, (u.row_begin + t) * p.ldo + j, p.act_n - j, act));
     }
+    if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
   }
 }
 
@@ -585,10 +605,12 @@ __global__ void __launch_bounds__(kThreads)
   const int cols = p.silu_mul ? p.act_n : p.n;
   const int col = (blockIdx.x * kThreads + threadIdx.x) * 8;
   const int64_t t0 = int64_t(blockIdx.y) * kRows;
-  if (t0 >= rows || col >= cols) return;
   const int valid = cute::min(8, cols - col);
   const int64_t plane = p.m_total * p.n;
-  for (int64_t t = t0; t < cute::min(t0 + kRows, rows); ++t) {
+  float amax = 0.0f;
+  // Inactive threads skip the rows but stay for the warp's amax fold.
+  const int64_t t_end = t0 < rows && col < cols ? cute::min(t0 + kRows, rows) : t0;
+  for (int64_t t = t0; t < t_end; ++t) {
     const int64_t row = row_begin + t;
     const float* src = p.partial + row * p.n + col;
     float sum[8], sum_up[8];
@@ -614,8 +636,9 @@ __global__ void __launch_bounds__(kThreads)
       act[e] = act::silu_mul_f32(float(cutlass::bfloat16_t(sum[e])),
                                  float(cutlass::bfloat16_t(sum_up[e])));
     }
-    store_act_row(p, row * p.ldo + col, valid, act);
+    amax = fmaxf(amax, store_act_row(p, row * p.ldo + col, valid, act));
   }
+  if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
 }
 
 // Builds the TMA descriptors and launches the persistent grid (at most one CTA per SM, no more
@@ -654,7 +677,8 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                           reinterpret_cast<uintptr_t>(a.out) % vector_bytes == 0;
   MoeGemmParams p{a.out, a.partial, a.offsets, a.a_scale, a.b_scale, a.a_mode, a.b_mode,
                   a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, n_tiles, tile_cols,
-                  a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr, a.offsets_ready,
+                  a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr,
+                  a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out};
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
                                       kPromoteInterval, decltype(tma_a), decltype(tma_b)>;

@@ -57,6 +57,9 @@ struct MoeGemmArgs {
   bool silu_mul = false;
   int act_n = 0;
   const float* out_scale = nullptr;
+  // SiLU*mul into bf16: *amax_scale = max(*amax_scale, amax |out| / 448) over the rows written
+  // (a dynamic per-tensor FP8 scale; *amax_scale holds a non-negative start value).
+  float* amax_scale = nullptr;
   // The launch may overlap the previous kernel on the stream (programmatic dependent launch);
   // with offsets_ready the caller promises that kernel does not write `offsets`, so they and
   // the first weight tiles are read before it completes.
