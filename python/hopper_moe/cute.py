@@ -1,8 +1,9 @@
 """The "cute" backend of fused_experts: the layer around hopper_moe's SM90 grouped GEMM.
 
     (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
-    GEMM1 with SiLU*mul (+ static FP8 quant) in its epilogue (moe_grouped_gemm_silu_mul) ->
-    (dynamic FP8 quant) -> GEMM2 (moe_grouped_gemm) -> moe_unpermute (weighted sum over k)
+    GEMM1 with SiLU*mul (+ static FP8 quant, or the dynamic per-tensor scale's amax) in its
+    epilogue (moe_grouped_gemm_silu_mul) -> (FP8 quant with that scale, or per token) ->
+    GEMM2 (moe_grouped_gemm) -> moe_unpermute (weighted sum over k)
 
 Both GEMMs are the hand-written SM90 wgmma kernel (csrc/include/hopper_moe/gemm) on CUDA and
 their readable definitions on the CPU, so the composition is tested in CI. On CUDA the GEMMs
