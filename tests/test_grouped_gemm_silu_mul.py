@@ -213,14 +213,20 @@ def check_amax_scale(a, b, offs, sa, sb):
     assert same_bits(q_static, q_dynamic)
 
 
+def gated_with_unowned_rows(counts, extra, inter, k, dtype, seed, device="cpu"):
+    """GEMM1's operands for these experts' rows plus `extra` rows after offsets[E] that no
+    expert owns: (a, b, offsets, a_scales, b_scales)."""
+    a, b, offs, sa, sb, _ = make_gated(counts + [extra], inter, k, dtype, seed=seed,
+                                       device=device)
+    e = len(counts)
+    return (a, b[:e].contiguous(), offs[:e + 1].contiguous(), sa,
+            None if sb is None else sb[:e].contiguous())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_cpu_amax_scale_is_the_dynamic_scale(dtype):
     for counts, extra in (([3, 0, 5, 1], 2), ([0, 7], 0), ([0, 0], 3)):
-        a, b, offs, sa, sb, _ = make_gated(counts + [extra], 40, 64, dtype, seed=extra)
-        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
-        if sb is not None:
-            sb = sb[:len(counts)].contiguous()
-        check_amax_scale(a, b, offs, sa, sb)
+        check_amax_scale(*gated_with_unowned_rows(counts, extra, 40, 64, dtype, seed=extra))
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -317,24 +323,15 @@ def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_sca
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_amax_scale_is_the_dynamic_scale(dtype, monkeypatch):
+def test_cuda_amax_scale_is_the_dynamic_scale(dtype):
     """The epilogue's amax fold over swap-AB tiles, the standard mapping, a K split (the
     reduce kernel's fold) and rows that no expert owns."""
+    assert rule_k_splits("bf16" if dtype == "bf16" else "e4m3", 2, 2, 2048, 8208) > 1
     cases = [([3, 0, 5, 1], 2, 200, 512), ([1, 1], 0, 1024, 8208),
              ([300, 0, 129, 513], 3, 136, 512), ([0] * 63 + [9], 0, 256, 256)]
-    failures = []
-    for counts, extra, inter, k in cases:
-        a, b, offs, sa, sb, _ = make_gated(counts + [extra], inter, k, dtype, seed=inter,
-                                           device="cuda")
-        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
-        if sb is not None:
-            sb = sb[:len(counts)].contiguous()
-        try:
-            check_amax_scale(a, b, offs, sa, sb)
-        except AssertionError as err:
-            failures.append(f"counts={counts}+{extra} I={inter} K={k}: {err}")
-    assert rule_k_splits("bf16" if dtype == "bf16" else "e4m3", 2, 2, 2048, 8208) > 1
-    assert not failures, "\n".join(failures)
+    _failures([(f"counts={c}+{x} I={i} K={k}",
+                gated_with_unowned_rows(c, x, i, k, dtype, seed=i, device="cuda"))
+               for c, x, i, k in cases], check_amax_scale)
 
 
 @gpu

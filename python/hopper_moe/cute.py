@@ -110,6 +110,11 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
+def _static_a2(quant) -> bool:
+    """A static per-tensor a2 scale: GEMM1 quantizes in its epilogue."""
+    return quant is not None and not quant.per_act_token_quant and quant.a2_scale is not None
+
+
 def _dynamic_per_tensor(quant) -> bool:
     return quant is not None and not quant.per_act_token_quant and quant.a2_scale is None
 
@@ -126,7 +131,7 @@ def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
         _GEMM1(a2, a1, w1g, offsets, None, None, None, offsets_ready)
         return a2, None, w2.to(torch.bfloat16).contiguous(), None
     w2_scale = _weight_scales(quant.w2_scale, w2, quant)
-    if not quant.per_act_token_quant and quant.a2_scale is not None:
+    if _static_a2(quant):
         a2_scale = quant.a2_scale.float().reshape(1).contiguous()
         a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=dev)
         _GEMM1(a2, a1, w1g, offsets, a1_scale, w1_scale, a2_scale, offsets_ready)
@@ -198,9 +203,7 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
                                                   quant, True)
-    if quant is None:
-        h, out_scale = a2, None
-    elif not quant.per_act_token_quant and quant.a2_scale is not None:  # static: fused quant
+    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself
         h, out_scale = a2, a2_scale
     else:  # dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization
         h, out_scale = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16,
