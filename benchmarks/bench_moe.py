@@ -240,6 +240,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FP8 per-tensor with static activation scales (default dynamic)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 100, >= 50)")
     p.add_argument("--warmup", type=int, default=10, help="warm-up replays (default 10)")
+    p.add_argument("--clean-l2", action="store_true",
+                   help="after the L2 eviction write, read another 256 MiB buffer, so the timed "
+                        "region starts with no dirty lines to write back (common.L2Evictor)")
     p.add_argument("--no-evict", action="store_true",
                    help="do not evict L2 between replays (hot-cache numbers)")
     p.add_argument("--no-graph", action="store_true", help="eager timing instead of graphs")
@@ -464,7 +467,8 @@ def run(args) -> int:
         print("no backend to time.")
         return 1
 
-    evict = None if (args.no_evict or device.type != "cuda") else C.L2Evictor(device)
+    evict = None if (args.no_evict or device.type != "cuda") else C.L2Evictor(
+        device, clean=args.clean_l2)
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for shape_name in args.shape_list:
@@ -580,7 +584,9 @@ def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
         (f"timing: {'eager' if args.no_graph else 'CUDA graph'} of one call, {args.warmup} "
          f"warm-up replays, median of {args.iters} timed replays, "
          + ("no L2 eviction" if args.no_evict
-            else "256 MiB L2 eviction write between replays (outside the timed region)"))
+            else "256 MiB L2 eviction write between replays (outside the timed region)"
+            + (", then a 256 MiB read (no dirty lines in L2 at the start)" if args.clean_l2
+               else "")))
         if device.type == "cuda" else "timing: CPU wall clock, median (a harness check)",
         "floor = max(bytes / copy BW, flops / dense peak); bytes = touched experts x 3HI x "
         "bytes/weight + scales + " + ("GEMM activations in/out" if args.gemm_only

@@ -183,15 +183,25 @@ def _summary(samples_us: Sequence[float], mode: str, note: str = "") -> Timing:
 
 class L2Evictor:
     """Writes a 256 MiB buffer (over 4x the H200's 60 MB L2) so the next timed region reads
-    its weights from HBM, as a decode step does. Runs outside the timed region."""
+    its weights from HBM, as a decode step does. Runs outside the timed region.
 
-    def __init__(self, device: torch.device, nbytes: int = 256 << 20):
+    clean=True then reads a second 256 MiB buffer: the write leaves L2 full of dirty lines,
+    whose write-back to HBM otherwise lands in the timed region (tens of MB of writes that are
+    not the timed work's); after the read L2 holds clean lines only."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20, clean: bool = False):
         self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
         self._v = 0
+        self.clean = clean
+        if clean:
+            self._read = torch.zeros(nbytes // 4, dtype=torch.int32, device=device)
+            self._sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
         self._v = (self._v + 1) & 0xFFFF
         self.buf.fill_(self._v)
+        if self.clean:
+            torch.sum(self._read, dtype=torch.int64, out=self._sink)
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3):

@@ -84,6 +84,48 @@ def test_moe_permute_unpermute_round_trip(device):
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+def _permute_expected(x, ids, E):
+    """(permuted rows, offsets, inv_permuted_idx, permuted_idx) of hopper_moe.reference."""
+    T, K = ids.shape
+    slots = torch.arange(T * K, dtype=torch.int32).view(T, K)
+    perm, offs, inv, pidx = reference.moe_permute(x.cpu(), ids.cpu(), slots, None, E, E, K)
+    return perm, offs, inv, pidx
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moe_permute_slot_indices_cache_and_graph_capture():
+    # The wrapper's slot indices are a cached arange on CUDA: row counts past its capacity make
+    # it grow eagerly, and inside a graph capture (no growth there) a plain arange is captured.
+    # Every call must equal the reference, with poisoned outputs, eager and replayed.
+    E, H, dev = 7, 24, torch.device("cuda")
+    for T, K in ((3, 2), (700, 8), (5000, 2)):  # 6 slots, then 5600 and 10000 (growth)
+        x = torch.randn(T, H, generator=seeded(T)).to(dev)
+        ids = torch.randint(0, E, (T, K), generator=seeded(T + 1), dtype=torch.int32).to(dev)
+        perm_x = torch.full((T * K, H), float("nan"), device=dev)
+        perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E, permuted_hidden_states=perm_x)
+        e_perm, e_offs, e_inv, e_pidx = _permute_expected(x, ids, E)
+        assert torch.equal(offs.cpu(), e_offs) and torch.equal(pidx.cpu(), e_pidx)
+        assert torch.equal(inv.cpu(), e_inv.flatten()) and torch.equal(perm.cpu(), e_perm)
+    T, K = 9000, 4  # more slots than the cache holds: captured as an arange of its own
+    x = torch.randn(T, H, generator=seeded(9)).to(dev)
+    ids = torch.randint(0, E, (T, K), generator=seeded(10), dtype=torch.int32).to(dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in (perm, offs, inv, pidx):
+        t.fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    e_perm, e_offs, e_inv, e_pidx = _permute_expected(x, ids, E)
+    assert torch.equal(offs.cpu(), e_offs) and torch.equal(pidx.cpu(), e_pidx)
+    assert torch.equal(inv.cpu(), e_inv.flatten()) and torch.equal(perm.cpu(), e_perm)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_permute_permutes_per_token_scales(device):
     T, K, E = 4, 2, 3

@@ -57,9 +57,9 @@ void bucket_sort(const KeyFn& key, const PadFn& pad, const Epilogue& epi, const 
                  int64_t numel, int nb, int64_t epilogue_work, const at::Device& device,
                  cudaStream_t stream) {
   if (numel <= ad::kSmallMaxSlots && nb <= ad::kSmallMaxBuckets) {
-    ad::sort_small_kernel<<<1, kThreads, ad::small_smem_bytes(nb), stream>>>(key, pad, epi,
-                                                                             on_slot, numel, nb);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(pdl::launch(ad::sort_small_kernel<KeyFn, PadFn, Epilogue, SlotFn>, dim3(1),
+                               dim3(kThreads), ad::small_smem_bytes(nb), stream, key, pad, epi,
+                               on_slot, numel, nb));
     return;
   }
   const int64_t max_chunks = std::max<int64_t>(1, kMaxHistEntries / nb);
@@ -112,14 +112,17 @@ void launch_gather(const SourceFn& source, const at::Tensor& in, at::Tensor& out
   p.units = row_bytes / unit;
   p.log2_tpr = log2_threads_per_row(p.units);
   const unsigned blocks = grid_for(num_rows, kThreads >> p.log2_tpr);
+  // A programmatic dependent launch: it waits for the kernel before it (the sort's indices).
+  const auto launch = [&](auto kernel) {
+    C10_CUDA_CHECK(pdl::launch(kernel, dim3(blocks), dim3(kThreads), 0, stream, source, p));
+  };
   switch (unit) {
-    case 16: pd::gather_rows_kernel<uint4><<<blocks, kThreads, 0, stream>>>(source, p); break;
-    case 8: pd::gather_rows_kernel<uint2><<<blocks, kThreads, 0, stream>>>(source, p); break;
-    case 4: pd::gather_rows_kernel<uint32_t><<<blocks, kThreads, 0, stream>>>(source, p); break;
-    case 2: pd::gather_rows_kernel<uint16_t><<<blocks, kThreads, 0, stream>>>(source, p); break;
-    default: pd::gather_rows_kernel<uint8_t><<<blocks, kThreads, 0, stream>>>(source, p); break;
+    case 16: launch(pd::gather_rows_kernel<uint4, SourceFn>); break;
+    case 8: launch(pd::gather_rows_kernel<uint2, SourceFn>); break;
+    case 4: launch(pd::gather_rows_kernel<uint32_t, SourceFn>); break;
+    case 2: launch(pd::gather_rows_kernel<uint16_t, SourceFn>); break;
+    default: launch(pd::gather_rows_kernel<uint8_t, SourceFn>); break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
@@ -133,15 +136,8 @@ void launch_unpermute(pd::UnpermuteParams p, cudaStream_t stream) {
   const unsigned blocks = grid_for(p.num_tokens, kThreads >> p.log2_tpr);
   // A programmatic dependent launch: its blocks wait (griddepcontrol) for the previous kernel,
   // so their launch overlaps that kernel's end.
-  cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(blocks);
-  launch.blockDim = dim3(kThreads);
-  launch.stream = stream;
-  cudaLaunchAttribute attr = pdl::programmatic_serialization(pdl::enabled_by_env());
-  launch.attrs = &attr;
-  launch.numAttrs = 1;
-  C10_CUDA_CHECK(vectorized ? cudaLaunchKernelEx(&launch, pd::unpermute_kernel<T, kVec>, p)
-                            : cudaLaunchKernelEx(&launch, pd::unpermute_kernel<T, 1>, p));
+  C10_CUDA_CHECK(pdl::launch(vectorized ? pd::unpermute_kernel<T, kVec> : pd::unpermute_kernel<T, 1>,
+                             dim3(blocks), dim3(kThreads), 0, stream, p));
 }
 
 }  // namespace

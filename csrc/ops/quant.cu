@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/fp8_quant_kernels.cuh"
 #include "hopper_moe/moe/fp8_quant_layout.cuh"
 #include "ops.h"
@@ -48,16 +49,12 @@ void launch_scaled_quant(uint8_t* out, const T* in, const float* scale,
                          const quant::StaticScaleGroups& g, bool vec, cudaStream_t stream) {
   const int64_t units = vec ? in_rows.row_len / quant::kVecElems<T> : in_rows.row_len;
   const dim3 grid = rows_grid(in_rows.num_rows, units, 65535);
-  if (vec) {
-    quant::scaled_quant_kernel<T, true, kPerTensor><<<grid, kQuantThreads, 0, stream>>>(
-        out, in, scale, in_rows.num_rows, in_rows.row_len, in_rows.row_stride, out_rs, g.group_m,
-        g.group_n, g.stride_m, g.stride_n);
-  } else {
-    quant::scaled_quant_kernel<T, false, kPerTensor><<<grid, kQuantThreads, 0, stream>>>(
-        out, in, scale, in_rows.num_rows, in_rows.row_len, in_rows.row_stride, out_rs, g.group_m,
-        g.group_n, g.stride_m, g.stride_n);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // A programmatic dependent launch: it waits for the kernel before it.
+  C10_CUDA_CHECK(pdl::launch(vec ? quant::scaled_quant_kernel<T, true, kPerTensor>
+                                 : quant::scaled_quant_kernel<T, false, kPerTensor>,
+                             grid, dim3(kQuantThreads), 0, stream, out, in, scale,
+                             in_rows.num_rows, in_rows.row_len, in_rows.row_stride, out_rs,
+                             g.group_m, g.group_n, g.stride_m, g.stride_n));
 }
 
 }  // namespace
@@ -107,18 +104,12 @@ void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::T
                                              in_rows.row_len);
     // Small tensors (decode activations): one block does all of it, one launch instead of 3.
     if (in_rows.num_rows * in_rows.row_len <= kSmallDynamicElems) {
-      if (vec) {
-        quant::dynamic_quant_one_block_kernel<scalar_t, true>
-            <<<1, quant::kOneBlockThreads, 0, stream>>>(out, s, in, in_rows.num_rows,
-                                                        in_rows.row_len, in_rows.row_stride,
-                                                        out_rows.row_stride);
-      } else {
-        quant::dynamic_quant_one_block_kernel<scalar_t, false>
-            <<<1, quant::kOneBlockThreads, 0, stream>>>(out, s, in, in_rows.num_rows,
-                                                        in_rows.row_len, in_rows.row_stride,
-                                                        out_rows.row_stride);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      // A programmatic dependent launch: it waits for the kernel before it.
+      C10_CUDA_CHECK(pdl::launch(vec ? quant::dynamic_quant_one_block_kernel<scalar_t, true>
+                                     : quant::dynamic_quant_one_block_kernel<scalar_t, false>,
+                                 dim3(1), dim3(quant::kOneBlockThreads), 0, stream, out, s, in,
+                                 in_rows.num_rows, in_rows.row_len, in_rows.row_stride,
+                                 out_rows.row_stride));
       return;
     }
     // 1) scale = floor, 2) scale = max(scale, amax / 448), 3) quantize with it; stream-ordered.

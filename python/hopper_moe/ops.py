@@ -2,7 +2,8 @@
 
 In-place wrappers forward to `torch.ops.hopper_moe.<op>`; allocating wrappers (the ones vLLM
 users call as `ops.scaled_fp8_quant(x)`, `ops.shuffle_rows(x, map)`, ...) allocate outputs and
-return them. Shapes and dtypes follow ../shared/OPS.md. No Python loops, no host syncs.
+return them. Shapes and dtypes follow ../shared/OPS.md. No Python loops, and no host syncs
+except one when moe_permute's cached slot indices grow (_slot_indices).
 """
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
     if permuted_hidden_states is None:
         permuted_hidden_states = torch.empty((rows, n_hidden), dtype=hidden_states.dtype,
                                              device=dev)
-    token_expert_indices = torch.arange(rows, dtype=torch.int32, device=dev).view(n_token, topk)
+    token_expert_indices = _slot_indices(rows, dev).view(n_token, topk)
     expert_first_token_offset = torch.empty(n_local_expert + 1, dtype=torch.int64, device=dev)
-    permuted_idx = torch.full((rows,), rows, dtype=torch.int32, device=dev)
+    permuted_idx = torch.empty((rows,), dtype=torch.int32, device=dev)  # the op writes each entry
     inv_permuted_idx = torch.empty((n_token, topk), dtype=torch.int32, device=dev)
     _ops.moe_permute(hidden_states, topk_ids.to(torch.int32), token_expert_indices, expert_map,
                      n_expert, n_local_expert, topk, permuted_hidden_states,
@@ -96,6 +97,29 @@ def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
         a1q_scale = a1q_scale[permuted_idx.clamp(max=rows - 1) // topk]
     return (permuted_hidden_states, a1q_scale, expert_first_token_offset,
             inv_permuted_idx.flatten(), permuted_idx)
+
+
+# arange(n) int32 per CUDA device, grown by doubling; every tensor ever made stays referenced
+# here, since CUDA graphs captured earlier may read views of it.
+_SLOT_INDICES: dict[int, list[torch.Tensor]] = {}
+
+
+def _slot_indices(rows: int, dev: torch.device) -> torch.Tensor:
+    """arange(rows) int32 on dev. On CUDA, a view of a cached arange, so that a layer does not
+    launch one per call; the cache grows only outside graph capture and torch.compile (which
+    get a plain arange), and its fill is synchronized once, when it grows, so that any stream
+    may read it."""
+    if dev.type != "cuda" or torch.compiler.is_compiling():
+        return torch.arange(rows, dtype=torch.int32, device=dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    held = _SLOT_INDICES.setdefault(index, [])
+    if not held or held[-1].numel() < rows:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.arange(rows, dtype=torch.int32, device=dev)
+        capacity = max(4096, 1 << max(rows - 1, 0).bit_length())
+        held.append(torch.arange(capacity, dtype=torch.int32, device=dev))
+        torch.cuda.current_stream(dev).synchronize()
+    return held[-1][:rows]
 
 
 def moe_unpermute(out: torch.Tensor, permuted_hidden_states: torch.Tensor,

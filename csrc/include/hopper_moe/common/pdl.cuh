@@ -6,12 +6,18 @@
 // before it reads anything the earlier kernel writes, or writes anything that kernel reads:
 // the wait returns once the earlier kernel has completed and its memory is visible. Without
 // the attribute both calls are no-ops, so a kernel can always contain them.
+//
+// The rule for the chain of kernels of a layer: a dependent launch waits at its top and only
+// then lets its own dependents start (wait, then launch_dependents), so that when a kernel
+// starts, every kernel before its predecessor has completed. The grouped GEMM is the one
+// exception (it triggers at once; see offsets_ready in gemm/moe_gemm_sm90.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace hopper_moe::pdl {
 
@@ -42,6 +48,22 @@ inline cudaLaunchAttribute programmatic_serialization(bool enabled) {
 inline bool enabled_by_env() {
   const char* env = std::getenv("HOPPER_MOE_PDL");
   return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...) as a dependent launch (unless
+// HOPPER_MOE_PDL=0); the kernel must follow the rule above. Returns the launch's error.
+template <class... Params, class... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr = programmatic_serialization(enabled_by_env());
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace hopper_moe::pdl

@@ -598,6 +598,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 template <int kThreads, int kRows>
 __global__ void __launch_bounds__(kThreads)
     moe_gemm_splitk_reduce_kernel(MoeGemmParams p) {
+  // A programmatic dependent launch of the GEMM (common/pdl.cuh's rule).
+  pdl::wait_for_prerequisites();
+  pdl::launch_dependents();
   const int expert = blockIdx.z;
   const int64_t row_begin = cute::min(cute::max(p.offsets[expert], int64_t(0)), p.m_total);
   const int64_t rows =
@@ -643,7 +646,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Builds the TMA descriptors and launches the persistent grid (at most one CTA per SM, no more
 // than the launch can have units; as a programmatic dependent launch unless a.pdl is false),
-// then, with a K split, the reduction of the partial tiles.
+// then, with a K split, the reduction of the partial tiles (the same kind of launch).
 template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval>
 cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
@@ -704,9 +707,11 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   dim3 reduce_grid((out_cols + 8 * kReduceThreads - 1) / (8 * kReduceThreads),
                    unsigned((a.max_rows_per_expert + kReduceRows - 1) / kReduceRows),
                    unsigned(a.num_experts));
-  moe_gemm_splitk_reduce_kernel<kReduceThreads, kReduceRows>
-      <<<reduce_grid, kReduceThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  launch.gridDim = reduce_grid;  // a dependent launch too: its start overlaps the GEMM's end
+  launch.blockDim = dim3(kReduceThreads);
+  launch.dynamicSmemBytes = 0;
+  return cudaLaunchKernelEx(&launch, moe_gemm_splitk_reduce_kernel<kReduceThreads, kReduceRows>,
+                            p);
 }
 
 // The instantiation of a heuristic config: every template argument comes from it, so what the

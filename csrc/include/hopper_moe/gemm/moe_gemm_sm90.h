@@ -62,7 +62,9 @@ struct MoeGemmArgs {
   float* amax_scale = nullptr;
   // The launch may overlap the previous kernel on the stream (programmatic dependent launch);
   // with offsets_ready the caller promises that kernel does not write `offsets`, so they and
-  // the first weight tiles are read before it completes.
+  // the first weight tiles are read before it completes. (The kernels before that one have
+  // completed by then when it follows common/pdl.cuh's rule, as hopper_moe's kernels do, or
+  // is a grouped GEMM, which writes no offsets.)
   bool pdl = true;
   bool offsets_ready = false;
 };

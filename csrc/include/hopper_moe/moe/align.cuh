@@ -19,7 +19,8 @@
 //              of equal keys in lower lanes of the step; the leader then adds the group size.
 // Two drivers run these phases:
 //   small  (numel <= kSmallMaxSlots, nb <= kSmallMaxBuckets): one block of 8 warps, hist in
-//          shared memory, phases separated by __syncthreads: one launch, the decode case.
+//          shared memory, phases separated by __syncthreads: one launch, the decode case,
+//          as a programmatic dependent launch (common/pdl.cuh's rule).
 //   large  any size: phases are separate kernels (phase 2: one block per bucket), hist/cnt/seg
 //          in a global workspace whose size depends only on shapes (graph capture safe).
 #pragma once
@@ -27,6 +28,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+
+#include "hopper_moe/common/pdl.cuh"
 
 namespace hopper_moe::align_detail {
 
@@ -150,6 +153,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = min(numel, warp * chunk);
   const int64_t end = min(numel, begin + chunk);
 
+  pdl::wait_for_prerequisites();  // the keys come from the kernels before
+  pdl::launch_dependents();
   count_chunk(key, begin, end, hist + warp, kWarps, nb, lane);
   __syncthreads();
   for (int b = threadIdx.x; b < nb; b += kThreads) {

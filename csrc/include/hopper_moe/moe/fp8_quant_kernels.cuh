@@ -41,7 +41,10 @@ __global__ void __launch_bounds__(kQuantThreads)
                         const float* __restrict__ scale, int64_t num_rows, int64_t k,
                         int64_t in_rs, int64_t out_rs, int64_t group_m, int64_t group_n,
                         int64_t stride_m, int64_t stride_n) {
-  pdl::launch_dependents();  // a dependent GEMM may stream its weights meanwhile
+  // A programmatic dependent launch (common/pdl.cuh's rule); a dependent GEMM may then stream
+  // its weights meanwhile.
+  pdl::wait_for_prerequisites();
+  pdl::launch_dependents();
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
@@ -111,7 +114,10 @@ __global__ void __launch_bounds__(kOneBlockThreads)
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
-  pdl::launch_dependents();  // a dependent GEMM may stream its weights meanwhile
+  // A programmatic dependent launch (common/pdl.cuh's rule); a dependent GEMM may then stream
+  // its weights meanwhile.
+  pdl::wait_for_prerequisites();
+  pdl::launch_dependents();
   // 32-bit unit indices: the launcher bounds the tensor far below 2^31 elements.
   const uint32_t num_units = static_cast<uint32_t>(k / N);
   const uint32_t total = static_cast<uint32_t>(num_rows) * num_units;

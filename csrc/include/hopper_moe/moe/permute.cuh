@@ -122,8 +122,9 @@ struct GatherParams {
 template <typename U, class SourceFn>
 __global__ void __launch_bounds__(kThreads)
     gather_rows_kernel(SourceFn source, GatherParams p) {
-  // A kernel after this one that reads none of its rows early (the grouped GEMM streams its
-  // weights) may start now.
+  // A dependent launch (common/pdl.cuh's rule): the row indices come from the sort before.
+  // The kernel after this one may then start (the grouped GEMM streams its weights).
+  pdl::wait_for_prerequisites();
   pdl::launch_dependents();
   const int tpr = 1 << p.log2_tpr;
   const int rows_per_block = kThreads >> p.log2_tpr;
@@ -165,11 +166,15 @@ struct UnpermuteParams {
 };
 
 // out[t] = sum_{k ascending} w[t,k] * permuted[inv[t,k]] in fp32, each product and each sum
-// rounded separately (__fmul_rn/__fadd_rn: no FMA contraction), exactly as the CPU loop.
+// rounded separately (__fmul_rn/__fadd_rn: no FMA contraction), exactly as the CPU loop. The k
+// are taken kUnpermuteChunk at a time with all their index, weight and row loads issued before
+// the sum, so a decode row costs a few memory latencies rather than two per k.
+constexpr int kUnpermuteChunk = 8;
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteParams p) {
   // Launched as a programmatic dependent of the kernel that wrote `permuted`.
   pdl::wait_for_prerequisites();
+  pdl::launch_dependents();
   using P = Pack<T, kVec>;
   const int tpr = 1 << p.log2_tpr;
   const int rows_per_block = kThreads >> p.log2_tpr;
@@ -185,14 +190,29 @@ __global__ void __launch_bounds__(kThreads) unpermute_kernel(UnpermuteParams p) 
       float acc[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = 0.0f;
-      for (int k = 0; k < p.topk; ++k) {
-        const int64_t r = p.inv[t * p.topk + k];
-        if (r < 0 || r >= rows) continue;
-        const float w = p.weights[t * p.topk + k];
-        const P x = *reinterpret_cast<const P*>(perm + r * p.perm_stride + g * kVec);
+      for (int k0 = 0; k0 < p.topk; k0 += kUnpermuteChunk) {
+        int64_t r[kUnpermuteChunk];
+        float w[kUnpermuteChunk];
+        P x[kUnpermuteChunk];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          acc[j] = __fadd_rn(acc[j], __fmul_rn(w, static_cast<float>(x.v[j])));
+        for (int c = 0; c < kUnpermuteChunk; ++c) {
+          r[c] = k0 + c < p.topk ? p.inv[t * p.topk + k0 + c] : -1;
+          if (r[c] >= rows) r[c] = -1;
+        }
+#pragma unroll
+        for (int c = 0; c < kUnpermuteChunk; ++c) {
+          if (r[c] >= 0) {
+            w[c] = p.weights[t * p.topk + k0 + c];
+            x[c] = *reinterpret_cast<const P*>(perm + r[c] * p.perm_stride + g * kVec);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kUnpermuteChunk; ++c) {
+          if (r[c] < 0) continue;  // a slot no local expert computed
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(w[c], static_cast<float>(x[c].v[j])));
+          }
         }
       }
       P y;

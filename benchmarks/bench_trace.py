@@ -1,0 +1,176 @@
+"""Per-kernel device times of one MoE layer (or its two GEMMs) replayed as a CUDA graph.
+
+    PYTHONPATH=python python benchmarks/bench_trace.py --shapes mixtral --dtypes fp8_tensor \
+        --m 1,2 --gemm-only
+    PYTHONPATH=python python benchmarks/bench_trace.py --shapes qwen3_30b --m 1,4,16
+
+bench_moe.py times a replay with CUDA events: launch latency, the gaps between kernels and
+each kernel's ramp and drain all land in one number. This replays the same graph (L2 evicted
+before each replay by a 256 MiB write, as there; --clean-l2 as bench_moe.py's) under
+torch.profiler and prints, per kernel of the replay in launch order, its median device
+duration and the median gap between the previous kernel's end and its start (negative: the
+launches overlapped, as programmatic dependent launches do), then the replay's device span
+(first kernel's start to last kernel's end) next to the event-timed median. --read-control
+adds the time of a plain read of the floor's bytes under the same eviction. Needs a GPU; the
+profiler's own overhead is not in the device times.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe as B  # noqa: E402
+import common as C  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="mixtral")
+    p.add_argument("--dtypes", default="bf16,fp8_tensor")
+    p.add_argument("--m", default="1,4,16")
+    p.add_argument("--backend", default="cute")
+    p.add_argument("--gemm-only", action="store_true", help="GEMM1 + GEMM2 only")
+    p.add_argument("--static-act", action="store_true", help="static FP8 activation scales")
+    p.add_argument("--clean-l2", action="store_true",
+                   help="no dirty lines in L2 at each replay's start (common.L2Evictor)")
+    p.add_argument("--read-control", action="store_true",
+                   help="also time a plain read (int32 sum) of the row's floor bytes, the same "
+                        "way: what a pure stream of those bytes takes")
+    p.add_argument("--iters", type=int, default=20, help="profiled replays")
+    p.add_argument("--seed", type=int, default=0, help="bench_moe.py's routing seed")
+    return p.parse_args(argv)
+
+
+def short(name: str, width: int = 60) -> str:
+    """A kernel's name without its template arguments' bulk."""
+    base = name.split("(")[0]
+    if "<" in base:
+        head, _, rest = base.partition("<")
+        base = head + "<" + rest[:width - len(head) - 2] + ("...>" if len(rest) > width else "")
+    return base[:width + 4]
+
+
+def kernels_per_replay(prof, begin: str, end: str) -> list[list[tuple[str, float, float]]]:
+    """[(name, start us, end us)] per replay: the device kernels between a kernel whose name
+    contains `begin` and the next one whose name contains `end` (the markers around each
+    replay)."""
+    events = [e for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    events.sort(key=lambda e: e.time_range.start)
+    replays: list[list[tuple[str, float, float]]] = []
+    current: list[tuple[str, float, float]] | None = None
+    for e in events:
+        if begin in e.name:
+            current = []
+        elif end in e.name:
+            if current:
+                replays.append(current)
+            current = None
+        elif current is not None:
+            current.append((e.name, float(e.time_range.start), float(e.time_range.end)))
+    return replays
+
+
+def summarize(replays: list[list[tuple[str, float, float]]]) -> list[str]:
+    counts = {len(r) for r in replays}
+    if len(counts) != 1:
+        return [f"replays have different kernel counts {sorted(counts)}: not summarized"]
+    lines = ["| # | kernel | device us (median) | gap before, us |", "|---|---|---|---|"]
+    n = counts.pop()
+    for i in range(n):
+        dur = statistics.median(r[i][2] - r[i][1] for r in replays)
+        gap = "" if i == 0 else f"{statistics.median(r[i][1] - r[i - 1][2] for r in replays):.1f}"
+        lines.append(f"| {i} | `{short(replays[0][i][0])}` | {dur:.1f} | {gap} |")
+    span = statistics.median(max(k[2] for k in r) - r[0][1] for r in replays)
+    busy = statistics.median(sum(k[2] - k[1] for k in r) for r in replays)
+    lines.append(f"\ndevice span {span:.1f} us (first start to last end), kernel time summed "
+                 f"{busy:.1f} us")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(C.no_gpu_banner())
+        print("bench_trace: needs a GPU")
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    lib = B.Lib(selftest=False)
+    if lib.hm is None:
+        print(f"bench_trace: hopper_moe does not import: {lib.import_error}")
+        return 1
+    dev = torch.device("cuda")
+    evict = C.L2Evictor(dev, clean=args.clean_l2)
+    ceil = C.measure_ceilings(dev, quick=True)
+    print(f"# {' '.join(sys.argv)}\n# copy {ceil.copy_bw / 1e12:.2f} TB/s; backend "
+          f"{args.backend}; {'GEMM1 + GEMM2' if args.gemm_only else 'whole layer'}; "
+          f"PDL {'off' if os.environ.get('HOPPER_MOE_PDL') == '0' else 'on'}; L2 "
+          f"{'evicted clean' if args.clean_l2 else 'evicted by a write (dirty)'}")
+    for shape_name in C.parse_list(args.shapes, str):
+        shape = C.SHAPES[shape_name]
+        w1, w2 = C.make_weights(shape, dev, seed=args.seed + 101)
+        for scheme in C.parse_list(args.dtypes, str):
+            w1q, w2q, quant = lib.quantize(w1, w2, scheme, args.static_act)
+            for m in C.parse_list(args.m, int):
+                seed = args.seed * 100003 + m
+                _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, dev, seed=seed)
+                x = C.make_hidden(m, shape.hidden_size, dev, seed=seed + 1)
+                touched = C.experts_touched(ti, shape.num_experts)
+                sbytes = C.scale_bytes(quant, shape.num_experts, touched)
+                nbytes = (C.gemm_only_bytes(shape, m, scheme, touched, sbytes) if args.gemm_only
+                          else C.layer_bytes(shape, m, scheme, touched, sbytes))
+                if args.gemm_only:
+                    fn, how = lib.gemm_only(args.backend, scheme, x, w1q, w2q, tw, ti, quant)
+                    if fn is None:
+                        print(f"## {shape.name} {scheme} M={m}: {how}")
+                        continue
+                else:
+                    def fn():
+                        return lib.fused_experts(x, w1q, w2q, tw, ti, quant, args.backend)
+                with torch.no_grad():
+                    graph, _ = C.capture_graph(fn)
+                    for _ in range(5):
+                        graph.replay()
+                    timed = C.event_loop(graph.replay, evict, max(args.iters, 20))
+                    torch.cuda.synchronize()
+                    marker = torch.zeros(1, dtype=torch.int32, device=dev)
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(args.iters):
+                            evict()
+                            torch.neg(marker, out=marker)  # the markers around a replay
+                            graph.replay()
+                            torch.bitwise_not(marker, out=marker)
+                        torch.cuda.synchronize()
+                floor = nbytes / ceil.copy_bw * 1e6
+                print(f"\n## {shape.name} {scheme} M={m}: events median "
+                      f"{statistics.median(timed):.1f} us, bytes floor {floor:.1f} us")
+                if args.read_control:
+                    buf = torch.ones(int(nbytes) // 4, dtype=torch.int32, device=dev)
+                    sink = torch.empty((), dtype=torch.int64, device=dev)
+                    read = C.event_loop(lambda: torch.sum(buf, dtype=torch.int64, out=sink),
+                                        evict, max(args.iters, 20))
+                    print(f"read control: a sum over the floor's {nbytes / 1e6:.1f} MB, events "
+                          f"median {statistics.median(read):.1f} us")
+                    del buf
+                replays = kernels_per_replay(prof, "neg_kernel", "bitwise_not")
+                if not replays:
+                    names = sorted({short(e.name) for e in prof.events()
+                                    if e.device_type == torch.autograd.DeviceType.CUDA})
+                    print("no replay boundary found; device events: " + ", ".join(names))
+                for line in summarize(replays):
+                    print(line)
+                del graph
+            del w1q, w2q, quant
+        del w1, w2
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""benchmarks/bench_trace.py: without a GPU it says so and exits 0; on an SM90 GPU every
+profiled replay of the cute layer lists its kernels (the two grouped GEMMs among them) with a
+device time, and the read control is printed when asked for."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_trace  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the trace (the test below)")
+def test_without_gpu_says_so(capsys):
+    assert bench_trace.main(["--m", "1"]) == 0
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not (SM90 and HAS_CUDA), reason="needs an SM90 GPU and the CUDA build")
+@pytest.mark.parametrize("extra", [[], ["--gemm-only", "--clean-l2", "--read-control"]])
+def test_lists_the_kernels_of_a_replay(capsys, extra):
+    assert bench_trace.main(["--shapes", "qwen3_30b", "--dtypes", "bf16", "--m", "2",
+                             "--iters", "3"] + extra) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| `(.+?)` \| (\d+\.\d) \|", out, flags=re.M)
+    gemms = [r for r in rows if "moe_gemm_sm90_kernel" in r[1]]
+    assert len(gemms) == 2, out
+    assert all(float(r[2]) > 0 for r in rows), out
+    assert [int(r[0]) for r in rows] == list(range(len(rows))), out
+    if "--gemm-only" in extra:
+        assert all("moe_gemm" in r[1] for r in rows) and "read control" in out, out
+    else:  # the layer also permutes and unpermutes
+        assert any("unpermute" in r[1] for r in rows), out
+    assert "device span" in out
