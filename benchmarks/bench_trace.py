@@ -153,8 +153,10 @@ def main(argv=None) -> int:
                 if args.read_control:
                     buf = torch.ones(int(nbytes) // 4, dtype=torch.int32, device=dev)
                     sink = torch.empty((), dtype=torch.int64, device=dev)
-                    read = C.event_loop(lambda: torch.sum(buf, dtype=torch.int64, out=sink),
-                                        evict, max(args.iters, 20))
+
+                    def read_all():
+                        torch.sum(buf, dim=0, dtype=torch.int64, out=sink)
+                    read = C.event_loop(read_all, evict, max(args.iters, 20))
                     print(f"read control: a sum over the floor's {nbytes / 1e6:.1f} MB, events "
                           f"median {statistics.median(read):.1f} us")
                     del buf

@@ -201,7 +201,7 @@ class L2Evictor:
         self._v = (self._v + 1) & 0xFFFF
         self.buf.fill_(self._v)
         if self.clean:
-            torch.sum(self._read, dtype=torch.int64, out=self._sink)
+            torch.sum(self._read, dim=0, dtype=torch.int64, out=self._sink)
 
 
 def capture_graph(fn: Callable[[], Any], warmup: int = 3):

@@ -14,8 +14,20 @@ from conftest import HAS_CUDA
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import bench_trace  # noqa: E402
+import common  # noqa: E402
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("clean", [False, True])
+def test_l2_evictor_writes_then_reads(clean):
+    # (on the CPU: the calls the benchmarks make between replays, with a small buffer)
+    evict = common.L2Evictor(torch.device("cpu"), nbytes=1 << 16, clean=clean)
+    evict()
+    evict()
+    assert bool((evict.buf == 2).all())
+    if clean:
+        assert int(evict._sink) == 0  # the sum of the zero-filled read buffer
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the trace (the test below)")
