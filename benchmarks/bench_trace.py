@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clean-l2", action="store_true",
                    help="no dirty lines in L2 at each replay's start (common.L2Evictor)")
     p.add_argument("--read-control", action="store_true",
-                   help="also time a plain read (int32 sum) of the row's floor bytes, the same "
+                   help="also time a plain read (fp32 sum) of the row's floor bytes, the same "
                         "way: what a pure stream of those bytes takes")
     p.add_argument("--iters", type=int, default=20, help="profiled replays")
     p.add_argument("--seed", type=int, default=0, help="bench_moe.py's routing seed")
@@ -151,14 +151,14 @@ def main(argv=None) -> int:
                 print(f"\n## {shape.name} {scheme} M={m}: events median "
                       f"{statistics.median(timed):.1f} us, bytes floor {floor:.1f} us")
                 if args.read_control:
-                    buf = torch.ones(int(nbytes) // 4, dtype=torch.int32, device=dev)
-                    sink = torch.empty((), dtype=torch.int64, device=dev)
+                    buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
+                    sink = torch.empty((), dtype=torch.float32, device=dev)
 
                     def read_all():
-                        torch.sum(buf, dim=0, dtype=torch.int64, out=sink)
+                        torch.sum(buf, dim=0, out=sink)
                     read = C.event_loop(read_all, evict, max(args.iters, 20))
-                    print(f"read control: a sum over the floor's {nbytes / 1e6:.1f} MB, events "
-                          f"median {statistics.median(read):.1f} us")
+                    print(f"read control: an fp32 sum over the floor's {nbytes / 1e6:.1f} MB, "
+                          f"events median {statistics.median(read):.1f} us")
                     del buf
                 replays = kernels_per_replay(prof, "neg_kernel", "bitwise_not")
                 if not replays:
