@@ -98,9 +98,6 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.out_scale = out_scale ? out_scale->data_ptr<float>() : nullptr;
   args.amax_scale = amax_scale ? amax_scale->data_ptr<float>() : nullptr;
   args.pdl = pdl::enabled_by_env();
-  // HOPPER_MOE_L2_EVICT_FIRST=0: the weights' copies without the evict-first hint (to measure it).
-  const char* hint_env = std::getenv("HOPPER_MOE_L2_EVICT_FIRST");
-  args.evict_first_weights = hint_env == nullptr || std::string(hint_env) != "0";
   args.offsets_ready = offsets_ready;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",

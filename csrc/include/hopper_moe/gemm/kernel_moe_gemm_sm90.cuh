@@ -35,10 +35,6 @@
 //     256 arrivals). FP8: the tensor core's accumulation is promoted into a separate fp32
 //     register accumulator every kPromoteInterval k-tiles (waiting for every batch there),
 //     bounding the error at large K.
-// In the swap-AB mapping each weight is read once per launch (decode: one token tile per
-// expert), so the weight copies carry the L2 evict-first hint: the stream does not push out
-// what L2 holds for other work, nor dirty lines whose write-back would share its bandwidth.
-// The standard mapping re-reads weight tiles for each token tile and keeps the default.
 // Slots hold the A tile (128 x kBlockK: weights for swap-AB, tokens for standard) and the B
 // tile (the other operand), both K-major with the 128-byte swizzle wgmma reads. Out-of-range
 // rows and K columns are zero-filled by TMA; rows that belong to the next expert or lie past N
@@ -176,7 +172,6 @@ struct MoeGemmParams {
   float* amax_scale;       // SiLU*mul into bf16: max(*amax_scale, amax |out| / 448) (or null)
   bool offsets_ready;      // offsets may be read before the previous kernel completes
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
-  uint64_t weight_cache_hint;  // cute::TMA::CacheHintSm90 of the weight tiles' bulk copies
 };
 
 // One work unit, decoded the same way by the producer and the consumers.
@@ -372,7 +367,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
               typename Config::SmemLayoutWBox{});  // (BOX,BLK_K)
           auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
                                         group_modes<0, 2>(gW));
-          copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90(p.weight_cache_hint)), tg, ts);
+          copy(tma_w.with(smem.full[s]), tg, ts);
         }
       };
       const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
@@ -687,9 +682,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, n_tiles, tile_cols,
                   a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr,
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
-                  vector_out,
-                  uint64_t(kSwapAB && a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
-                                                            : TMA::CacheHintSm90::EVICT_NORMAL)};
+                  vector_out};
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
                                       kPromoteInterval, decltype(tma_a), decltype(tma_b)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -67,10 +67,6 @@ struct MoeGemmArgs {
   // is a grouped GEMM, which writes no offsets.)
   bool pdl = true;
   bool offsets_ready = false;
-  // Swap-AB streams each weight once: its bulk copies then carry the L2 evict-first hint, so
-  // the stream displaces neither the lines others still use nor dirty ones whose write-back
-  // would share its bandwidth. false: the default policy (measuring it).
-  bool evict_first_weights = true;
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
