@@ -136,8 +136,8 @@ void launch_unpermute(pd::UnpermuteParams p, cudaStream_t stream) {
   const unsigned blocks = grid_for(p.num_tokens, kThreads >> p.log2_tpr);
   // A programmatic dependent launch: its blocks wait (griddepcontrol) for the previous kernel,
   // so their launch overlaps that kernel's end.
-  C10_CUDA_CHECK(pdl::launch(vectorized ? pd::unpermute_kernel<T, kVec> : pd::unpermute_kernel<T, 1>,
-                             dim3(blocks), dim3(kThreads), 0, stream, p));
+  const auto kernel = vectorized ? pd::unpermute_kernel<T, kVec> : pd::unpermute_kernel<T, 1>;
+  C10_CUDA_CHECK(pdl::launch(kernel, dim3(blocks), dim3(kThreads), 0, stream, p));
 }
 
 }  // namespace
