@@ -507,18 +507,27 @@ def run(args) -> int:
     return report(args, env, ceil, backends, rows, notes + lib.notes, device)
 
 
-def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, scheme: str,
-          m: int, w1q, w2q, quant, backends: list[str], notes: list[str]) -> list[dict]:
-    seed = args.seed * 100003 + m
-    _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, device, seed=seed, zipf=args.zipf)
-    x = C.make_hidden(m, shape.hidden_size, device, seed=seed + 1)
+def row_inputs(shape: C.MoEShape, scheme: str, m: int, quant, device, seed: int,
+               zipf: float, gemm_only: bool):
+    """One row's inputs and bytes: (x, topk_weights, topk_ids, experts touched, bytes of the
+    floor), from the row's seed (seed * 100003 + m) as every benchmark of a row derives them."""
+    row_seed = seed * 100003 + m
+    _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, device, seed=row_seed, zipf=zipf)
+    x = C.make_hidden(m, shape.hidden_size, device, seed=row_seed + 1)
     touched = C.experts_touched(ti, shape.num_experts)
     sbytes = C.scale_bytes(quant, shape.num_experts, touched)
-    flops = C.layer_flops(shape, m)
-    if args.gemm_only:
+    if gemm_only:
         nbytes = C.gemm_only_bytes(shape, m, scheme, touched, sbytes)
     else:
         nbytes = C.layer_bytes(shape, m, scheme, touched, sbytes)
+    return x, tw, ti, touched, nbytes
+
+
+def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, scheme: str,
+          m: int, w1q, w2q, quant, backends: list[str], notes: list[str]) -> list[dict]:
+    x, tw, ti, touched, nbytes = row_inputs(shape, scheme, m, quant, device, args.seed,
+                                            args.zipf, args.gemm_only)
+    flops = C.layer_flops(shape, m)
     floor, bound = C.floor_us(nbytes, flops, ceil.copy_bw, ceil.peak(scheme))
 
     ref = None

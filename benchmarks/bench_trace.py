@@ -118,13 +118,8 @@ def main(argv=None) -> int:
         for scheme in C.parse_list(args.dtypes, str):
             w1q, w2q, quant = lib.quantize(w1, w2, scheme, args.static_act)
             for m in C.parse_list(args.m, int):
-                seed = args.seed * 100003 + m
-                _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, dev, seed=seed)
-                x = C.make_hidden(m, shape.hidden_size, dev, seed=seed + 1)
-                touched = C.experts_touched(ti, shape.num_experts)
-                sbytes = C.scale_bytes(quant, shape.num_experts, touched)
-                nbytes = (C.gemm_only_bytes(shape, m, scheme, touched, sbytes) if args.gemm_only
-                          else C.layer_bytes(shape, m, scheme, touched, sbytes))
+                x, tw, ti, _, nbytes = B.row_inputs(shape, scheme, m, quant, dev, args.seed,
+                                                    0.0, args.gemm_only)
                 if args.gemm_only:
                     fn, how = lib.gemm_only(args.backend, scheme, x, w1q, w2q, tw, ti, quant)
                     if fn is None:

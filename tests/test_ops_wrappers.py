@@ -84,12 +84,13 @@ def test_moe_permute_unpermute_round_trip(device):
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def _permute_expected(x, ids, E):
-    """(permuted rows, offsets, inv_permuted_idx, permuted_idx) of hopper_moe.reference."""
+def _assert_permute_matches_reference(x, ids, E, perm, offs, inv, pidx):
+    """ops.moe_permute's outputs equal hopper_moe.reference's (every slot of a local expert)."""
     T, K = ids.shape
     slots = torch.arange(T * K, dtype=torch.int32).view(T, K)
-    perm, offs, inv, pidx = reference.moe_permute(x.cpu(), ids.cpu(), slots, None, E, E, K)
-    return perm, offs, inv, pidx
+    e_perm, e_offs, e_inv, e_pidx = reference.moe_permute(x.cpu(), ids.cpu(), slots, None, E, E, K)
+    assert torch.equal(offs.cpu(), e_offs) and torch.equal(pidx.cpu(), e_pidx)
+    assert torch.equal(inv.cpu(), e_inv.flatten()) and torch.equal(perm.cpu(), e_perm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -103,9 +104,7 @@ def test_moe_permute_slot_indices_cache_and_graph_capture():
         ids = torch.randint(0, E, (T, K), generator=seeded(T + 1), dtype=torch.int32).to(dev)
         perm_x = torch.full((T * K, H), float("nan"), device=dev)
         perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E, permuted_hidden_states=perm_x)
-        e_perm, e_offs, e_inv, e_pidx = _permute_expected(x, ids, E)
-        assert torch.equal(offs.cpu(), e_offs) and torch.equal(pidx.cpu(), e_pidx)
-        assert torch.equal(inv.cpu(), e_inv.flatten()) and torch.equal(perm.cpu(), e_perm)
+        _assert_permute_matches_reference(x, ids, E, perm, offs, inv, pidx)
     T, K = 9000, 4  # more slots than the cache holds: captured as an arange of its own
     x = torch.randn(T, H, generator=seeded(9)).to(dev)
     ids = torch.randint(0, E, (T, K), generator=seeded(10), dtype=torch.int32).to(dev)
@@ -121,9 +120,7 @@ def test_moe_permute_slot_indices_cache_and_graph_capture():
         t.fill_(-7)
     g.replay()
     torch.cuda.synchronize()
-    e_perm, e_offs, e_inv, e_pidx = _permute_expected(x, ids, E)
-    assert torch.equal(offs.cpu(), e_offs) and torch.equal(pidx.cpu(), e_pidx)
-    assert torch.equal(inv.cpu(), e_inv.flatten()) and torch.equal(perm.cpu(), e_perm)
+    _assert_permute_matches_reference(x, ids, E, perm, offs, inv, pidx)
 
 
 @pytest.mark.parametrize("device", DEVICES)
