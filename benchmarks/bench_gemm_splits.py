@@ -1,5 +1,5 @@
 """Each GEMM of the cute layer alone, at decode, with the grouped GEMM's K split chosen by
-heuristics/sm90.h and forced to 1, 2, 4 and 8 (HOPPER_MOE_CUTE_K_SPLITS).
+heuristics/sm90.h and forced to 1, 2, 3, 4 and 8 (HOPPER_MOE_CUTE_K_SPLITS).
 
     python benchmarks/bench_gemm_splits.py --shapes mixtral,qwen3_30b --m 1,2,4,16
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-SPLITS = ("", "1", "2", "4", "8")  # "": the heuristic's choice
+SPLITS = ("", "1", "2", "3", "4", "8")  # "": the heuristic's choice
 ENV = "HOPPER_MOE_CUTE_K_SPLITS"
 
 

@@ -5,8 +5,10 @@
     PYTHONPATH=python python benchmarks/bench_moe.py --shapes mixtral --m 1,4,16 \
         --dtypes bf16,fp8_tensor --backends torch,triton,cute --plot
     PYTHONPATH=python python benchmarks/bench_moe.py --gemm-only --dtypes fp8_tensor
+    PYTHONPATH=python python benchmarks/bench_moe.py --evict rotate      # weight-copy rotation
 
-Per row: median µs of the layer in a CUDA graph with L2 evicted between replays, TFLOP/s,
+Per row: median µs of the layer in a CUDA graph with L2 evicted between replays (--evict: a
+256 MiB write, the write then a read, a rotation through R weight copies, or none), TFLOP/s,
 GB/s, % of the roofline floor, × baseline (torch backend time / this time) and the relative
 error against hopper_moe.reference on the same inputs. Ceilings are measured in the same run.
 Results: benchmarks/results/<gpu>_<tag>.md and .json. Without a GPU, runs one small layer on
@@ -240,11 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FP8 per-tensor with static activation scales (default dynamic)")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 100, >= 50)")
     p.add_argument("--warmup", type=int, default=10, help="warm-up replays (default 10)")
-    p.add_argument("--clean-l2", action="store_true",
-                   help="after the L2 eviction write, read another 256 MiB buffer, so the timed "
-                        "region starts with no dirty lines to write back (common.L2Evictor)")
-    p.add_argument("--no-evict", action="store_true",
-                   help="do not evict L2 between replays (hot-cache numbers)")
+    C.add_evict_args(p)
     p.add_argument("--no-graph", action="store_true", help="eager timing instead of graphs")
     p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"),
                    help="result folder (default benchmarks/results)")
@@ -262,6 +260,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--selftest", action="store_true",
                    help="time the harness's own torch layers instead of hopper_moe (bf16)")
     args = p.parse_args(argv)
+    C.resolve_evict(p, args)
     args.shape_list = C.parse_list(args.shapes) or (
         ["mixtral", "qwen3_30b"] if args.quick else list(C.DEFAULT_SHAPES))
     args.m_list = C.parse_list(args.m, int) or (C.QUICK_M_LIST if args.quick else C.M_LIST)
@@ -325,12 +324,15 @@ def run_no_gpu(args) -> int:
 # ---------------------------------------------------------------------------- the rows
 def build_row(shape: C.MoEShape, scheme: str, m: int, backend: str, timing: C.Timing | None,
               flops: int, nbytes: int, floor: float, bound: str, touched: int,
-              err: float | None, error: str = "", how: str = "") -> dict[str, Any]:
+              err: float | None, error: str = "", how: str = "", evict: str = "none",
+              evict_copies: int | None = None, evict_note: str = "") -> dict[str, Any]:
+    """One result row. evict: the L2 eviction method that ran (C.EVICT_METHODS; none on the
+    CPU); evict_copies: R, the weight copies of --evict rotate (None otherwise)."""
     row: dict[str, Any] = dict(
         shape=shape.name, E=shape.num_experts, topk=shape.top_k, H=shape.hidden_size,
         I=shape.intermediate_size, dtype=scheme, M=m, backend=backend, experts_touched=touched,
         flops=flops, bytes=nbytes, floor_us=floor, floor_bound=bound, rel_err=err,
-        error=error, how=how)
+        error=error, how=how, evict=evict, evict_copies=evict_copies, evict_note=evict_note)
     if timing is not None:
         t = timing.median_us
         row.update(us=t, p10_us=timing.p10_us, p90_us=timing.p90_us, iters=timing.iters,
@@ -365,6 +367,10 @@ def row_cells(r: dict[str, Any]) -> list[str]:
                 err_cell(r), C.fmt(r["floor_us"]) + " " + r["floor_bound"],
                 str(r["experts_touched"]), "failed: " + r.get("error", "")]
     timing = r["mode"] + (f" ({r['note']})" if r.get("note") else "")
+    if r.get("evict_copies"):
+        timing += f", rotate R={r['evict_copies']}"
+        if r.get("evict_note"):
+            timing += f" ({r['evict_note']})"
     if r.get("how"):
         timing += f" [{r['how']}]"
     return [r["shape"], r["dtype"], str(r["M"]), r["backend"], C.fmt(r["us"]),
@@ -467,8 +473,7 @@ def run(args) -> int:
         print("no backend to time.")
         return 1
 
-    evict = None if (args.no_evict or device.type != "cuda") else C.L2Evictor(
-        device, clean=args.clean_l2)
+    evict = C.make_evictor(args.evict, device)
     notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for shape_name in args.shape_list:
@@ -523,6 +528,42 @@ def row_inputs(shape: C.MoEShape, scheme: str, m: int, quant, device, seed: int,
     return x, tw, ti, touched, nbytes
 
 
+def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, w2, quant
+           ) -> tuple[Callable[[], Any] | None, str]:
+    """The zero-argument callable a row times on these weights (the layer, or GEMM1 + GEMM2
+    with gemm_only) and how it runs; (None, why not) when GEMM-only is not possible."""
+    if gemm_only:
+        return lib.gemm_only(backend, scheme, x, w1, w2, tw, ti, quant)
+
+    def fn():
+        return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)
+    return fn, ""
+
+
+def copy_fn_builder(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool
+                    ) -> Callable[..., Callable[[], Any]]:
+    """make_fn(w1, w2, quant) for C.WeightRotation.build: row_fn on one weight copy; raises
+    when that copy gets no callable."""
+    def make_fn(w1, w2, quant) -> Callable[[], Any]:
+        fn, how = row_fn(lib, backend, scheme, x, tw, ti, gemm_only, w1, w2, quant)
+        if fn is None:
+            raise RuntimeError("no callable on a weight copy: " + how)
+        return fn
+    return make_fn
+
+
+def row_rotation(args, device, shape: C.MoEShape, nbytes: int, weights: tuple
+                 ) -> tuple[C.WeightRotation | None, str]:
+    """--evict rotate on a GPU: the row's weight copies, or (None, why) when they do not fit
+    (the row's error); (None, "") for the other methods and on the CPU."""
+    if args.evict != "rotate" or device.type != "cuda":
+        return None, ""
+    try:
+        return C.WeightRotation.for_row(device, weights, nbytes, shape.num_experts), ""
+    except (C.RotationDoesNotFit, TypeError) as exc:
+        return None, str(exc)
+
+
 def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, scheme: str,
           m: int, w1q, w2q, quant, backends: list[str], notes: list[str]) -> list[dict]:
     x, tw, ti, touched, nbytes = row_inputs(shape, scheme, m, quant, device, args.seed,
@@ -540,23 +581,34 @@ def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, sc
             ref_err = "reference failed: " + C.short_error(exc, 100)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    # after the reference, whose buffers would otherwise count against the copies
+    rot, rot_err = row_rotation(args, device, shape, nbytes, (w1q, w2q, quant))
+    method = args.evict if device.type == "cuda" else "none"
+    ev = dict(evict=method, evict_copies=rot.r if rot else None,
+              evict_note=rot.note if rot else "")
     out_rows = []
     for b in backends:
-        how = ""
-        if args.gemm_only:
-            fn, how = lib.gemm_only(b, scheme, x, w1q, w2q, tw, ti, quant)
-            if fn is None:
-                row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound,
-                                touched, None, error="GEMM-only not possible: " + how)
-                out_rows.append(row)
-                continue
-        else:
-            def fn(b=b):
-                return lib.fused_experts(x, w1q, w2q, tw, ti, quant, b)
+        if rot_err:
+            row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound, touched,
+                            None, error=rot_err, **ev)
+            out_rows.append(row)
+            continue
+        fn, how = row_fn(lib, b, scheme, x, tw, ti, args.gemm_only, w1q, w2q, quant)
+        if fn is None:
+            row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound,
+                            touched, None, error="GEMM-only not possible: " + how, **ev)
+            out_rows.append(row)
+            continue
         try:
             with torch.no_grad():
+                copies = None
+                if rot is not None:
+                    make_fn = copy_fn_builder(lib, b, scheme, x, tw, ti, args.gemm_only)
+                    copies = rot.build(make_fn, first=fn)
                 timing, out = C.time_fn(fn, device, iters=args.iters, warmup=args.warmup,
-                                        evict=evict, use_graph=not args.no_graph)
+                                        evict=evict, use_graph=not args.no_graph,
+                                        copies=copies)
+                del copies
         except Exception as exc:  # noqa: BLE001
             if device.type == "cuda":
                 try:
@@ -564,19 +616,22 @@ def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, sc
                 except Exception:  # noqa: BLE001
                     pass
             row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound, touched,
-                            None, error=C.short_error(exc, 120), how=how)
+                            None, error=C.short_error(exc, 120), how=how, **ev)
         else:
             err = None
             if not args.gemm_only:
                 err = C.rel_error(out, ref) if ref is not None else float("nan")
             row = build_row(shape, scheme, m, b, timing, flops, nbytes, floor, bound,
-                            touched, err, error=ref_err, how=how)
+                            touched, err, error=ref_err, how=how, **ev)
             del out
         out_rows.append(row)
     fill_baseline(out_rows)
     for row in out_rows:
         print_row(row)
     del ref
+    if rot is not None:
+        rot.free()
+        del rot
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out_rows
@@ -590,13 +645,12 @@ def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
     extra = [
         f"work: {what}; routing softmax over N(0,1) logits, top-k, renormalized"
         + (f", Zipf skew s={args.zipf}" if args.zipf else "") + f"; seed {args.seed}",
-        (f"timing: {'eager' if args.no_graph else 'CUDA graph'} of one call, {args.warmup} "
-         f"warm-up replays, median of {args.iters} timed replays, "
-         + ("no L2 eviction" if args.no_evict
-            else "256 MiB L2 eviction write between replays (outside the timed region)"
-            + (", then a 256 MiB read (no dirty lines in L2 at the start)" if args.clean_l2
-               else "")))
-        if device.type == "cuda" else "timing: CPU wall clock, median (a harness check)",
+        (f"timing: {'eager' if args.no_graph else 'CUDA graph'} of one call"
+         + (" per weight copy" if args.evict == "rotate" else "")
+         + f", {args.warmup} warm-up replays, median of {args.iters} timed replays; "
+         + C.evict_description(args.evict, C.l2_cache_bytes(device)))
+        if device.type == "cuda"
+        else "timing: CPU wall clock, median (a harness check); no L2 eviction on the CPU",
         "floor = max(bytes / copy BW, flops / dense peak); bytes = touched experts x 3HI x "
         "bytes/weight + scales + " + ("GEMM activations in/out" if args.gemm_only
                                       else "M x H x (2 + 2)") + "; flops = 2 M topk 3 H I",
@@ -609,7 +663,8 @@ def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
     ch, crows = compact_table(rows, backends)
     md += "\n## Summary\n\n" + C.markdown_table(ch, crows) + "\n"
     md += "\n## All rows\n\n" + C.markdown_table(ROW_HEADERS, [row_cells(r) for r in rows]) + "\n"
-    payload = dict(env=env, ceilings=ceil, args={k: v for k, v in vars(args).items()},
+    payload = dict(env=env, ceilings=ceil, evict=args.evict if device.type == "cuda" else "none",
+                   args={k: v for k, v in vars(args).items()},
                    backends=backends, notes=list(dict.fromkeys(notes)), rows=rows)
     md_path, js_path = C.write_results(args.out, stem, md, payload)
     if args.plot:

@@ -6,13 +6,14 @@
 
 bench_moe.py times a replay with CUDA events: launch latency, the gaps between kernels and
 each kernel's ramp and drain all land in one number. This replays the same graph (L2 evicted
-before each replay by a 256 MiB write, as there; --clean-l2 as bench_moe.py's) under
-torch.profiler and prints, per kernel of the replay in launch order, its median device
-duration and the median gap between the previous kernel's end and its start (negative: the
-launches overlapped, as programmatic dependent launches do), then the replay's device span
-(first kernel's start to last kernel's end) next to the event-timed median. --read-control
-adds the time of a plain read of the floor's bytes under the same eviction. Needs a GPU; the
-profiler's own overhead is not in the device times.
+before each replay as there, --evict write / clean / rotate / none, default a 256 MiB write;
+rotate cycles through one graph per weight copy) under torch.profiler and prints, per kernel
+of the replay in launch order, its median device duration and the median gap between the
+previous kernel's end and its start (negative: the launches overlapped, as programmatic
+dependent launches do), then the replay's device span (first kernel's start to last kernel's
+end) next to the event-timed median. --read-control adds the time of a plain read of the
+floor's bytes under the same eviction (under rotate: R buffers of those bytes, read in turn).
+Needs a GPU; the profiler's own overhead is not in the device times.
 """
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="cute")
     p.add_argument("--gemm-only", action="store_true", help="GEMM1 + GEMM2 only")
     p.add_argument("--static-act", action="store_true", help="static FP8 activation scales")
-    p.add_argument("--clean-l2", action="store_true",
-                   help="no dirty lines in L2 at each replay's start (common.L2Evictor)")
+    C.add_evict_args(p)
     p.add_argument("--read-control", action="store_true",
                    help="also time a plain read (fp32 sum) of the row's floor bytes, the same "
                         "way: what a pure stream of those bytes takes")
     p.add_argument("--iters", type=int, default=20, help="profiled replays")
     p.add_argument("--seed", type=int, default=0, help="bench_moe.py's routing seed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    C.resolve_evict(p, args)
+    return args
 
 
 def short(name: str, width: int = 60) -> str:
@@ -93,6 +95,29 @@ def summarize(replays: list[list[tuple[str, float, float]]]) -> list[str]:
     return lines
 
 
+def read_control(args, dev: torch.device, shape: C.MoEShape, nbytes: int, evict) -> str:
+    """An fp32 sum over the floor's bytes, timed as the row is: `evict` between reads, or
+    under rotate R such buffers read in turn (R from the same rule as the weight copies)."""
+    buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
+    sink = torch.empty((), dtype=torch.float32, device=dev)
+    rot, why = B.row_rotation(args, dev, shape, nbytes, (buf,))
+    if why:
+        return "read control: " + why
+    bufs = rot.copies if rot is not None else [(buf,)]
+
+    def make_read(b: torch.Tensor):
+        def read_all():
+            torch.sum(b, dim=0, out=sink)
+        return read_all
+    read = C.Cycle([make_read(b) for (b,) in bufs])
+    for _ in range(C.warmup_replays(0, len(bufs))):  # under rotate: each buffer read once
+        read()
+    times = C.event_loop(read, evict, max(args.iters, 20))
+    copies = f", R = {len(bufs)} buffers in turn" if rot is not None else ""
+    return (f"read control: an fp32 sum over the floor's {nbytes / 1e6:.1f} MB{copies}, "
+            f"events median {statistics.median(times):.1f} us")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,12 +131,12 @@ def main(argv=None) -> int:
         print(f"bench_trace: hopper_moe does not import: {lib.import_error}")
         return 1
     dev = torch.device("cuda")
-    evict = C.L2Evictor(dev, clean=args.clean_l2)
+    evict = C.make_evictor(args.evict, dev)
     ceil = C.measure_ceilings(dev, quick=True)
     print(f"# {' '.join(sys.argv)}\n# copy {ceil.copy_bw / 1e12:.2f} TB/s; backend "
           f"{args.backend}; {'GEMM1 + GEMM2' if args.gemm_only else 'whole layer'}; "
-          f"PDL {'off' if os.environ.get('HOPPER_MOE_PDL') == '0' else 'on'}; L2 "
-          f"{'evicted clean' if args.clean_l2 else 'evicted by a write (dirty)'}")
+          f"PDL {'off' if os.environ.get('HOPPER_MOE_PDL') == '0' else 'on'}; "
+          + C.evict_description(args.evict, C.l2_cache_bytes(dev)))
     for shape_name in C.parse_list(args.shapes, str):
         shape = C.SHAPES[shape_name]
         w1, w2 = C.make_weights(shape, dev, seed=args.seed + 101)
@@ -120,41 +145,47 @@ def main(argv=None) -> int:
             for m in C.parse_list(args.m, int):
                 x, tw, ti, _, nbytes = B.row_inputs(shape, scheme, m, quant, dev, args.seed,
                                                     0.0, args.gemm_only)
-                if args.gemm_only:
-                    fn, how = lib.gemm_only(args.backend, scheme, x, w1q, w2q, tw, ti, quant)
-                    if fn is None:
-                        print(f"## {shape.name} {scheme} M={m}: {how}")
-                        continue
-                else:
-                    def fn():
-                        return lib.fused_experts(x, w1q, w2q, tw, ti, quant, args.backend)
+                fn, how = B.row_fn(lib, args.backend, scheme, x, tw, ti, args.gemm_only, w1q,
+                                   w2q, quant)
+                if fn is None:
+                    print(f"## {shape.name} {scheme} M={m}: {how}")
+                    continue
+                rot, why = B.row_rotation(args, dev, shape, nbytes, (w1q, w2q, quant))
+                if why:
+                    print(f"## {shape.name} {scheme} M={m}: {why}")
+                    continue
+                fns = [fn]
+                if rot is not None:
+                    fns = rot.build(B.copy_fn_builder(lib, args.backend, scheme, x, tw, ti,
+                                                      args.gemm_only), first=fn)
                 with torch.no_grad():
-                    graph, _ = C.capture_graph(fn)
-                    for _ in range(5):
-                        graph.replay()
-                    timed = C.event_loop(graph.replay, evict, max(args.iters, 20))
+                    graphs, _ = C.capture_graphs(fns)
+                    replay = C.Cycle([g.replay for g in graphs])
+                    for _ in range(C.warmup_replays(5, len(graphs))):
+                        replay()
+                    timed = C.event_loop(replay, evict, max(args.iters, 20))
                     torch.cuda.synchronize()
                     marker = torch.zeros(1, dtype=torch.int32, device=dev)
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         for _ in range(args.iters):
-                            evict()
+                            if evict is not None:
+                                evict()
                             torch.neg(marker, out=marker)  # the markers around a replay
-                            graph.replay()
+                            replay()
                             torch.bitwise_not(marker, out=marker)
                         torch.cuda.synchronize()
                 floor = nbytes / ceil.copy_bw * 1e6
+                copies = f", rotating R = {rot.r} weight copies" if rot is not None else ""
+                if rot is not None and rot.note:
+                    copies += f" ({rot.note})"
                 print(f"\n## {shape.name} {scheme} M={m}: events median "
-                      f"{statistics.median(timed):.1f} us, bytes floor {floor:.1f} us")
+                      f"{statistics.median(timed):.1f} us, bytes floor {floor:.1f} us{copies}")
+                del graphs, replay, fns
+                if rot is not None:  # the weight copies go before the read control's buffers
+                    rot.free()
+                    del rot
                 if args.read_control:
-                    buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
-                    sink = torch.empty((), dtype=torch.float32, device=dev)
-
-                    def read_all():
-                        torch.sum(buf, dim=0, out=sink)
-                    read = C.event_loop(read_all, evict, max(args.iters, 20))
-                    print(f"read control: an fp32 sum over the floor's {nbytes / 1e6:.1f} MB, "
-                          f"events median {statistics.median(read):.1f} us")
-                    del buf
+                    print(read_control(args, dev, shape, nbytes, evict))
                 replays = kernels_per_replay(prof, "neg_kernel", "bitwise_not")
                 if not replays:
                     names = sorted({short(e.name) for e in prof.events()
@@ -162,7 +193,6 @@ def main(argv=None) -> int:
                     print("no replay boundary found; device events: " + ", ".join(names))
                 for line in summarize(replays):
                     print(line)
-                del graph
             del w1q, w2q, quant
         del w1, w2
         torch.cuda.empty_cache()

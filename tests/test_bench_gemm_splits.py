@@ -32,6 +32,6 @@ def test_times_every_split(capsys):
     assert len(rows) == 4  # 2 dtypes x 2 GEMMs
     for line in rows:
         cells = re.findall(r"(auto|\d): (\d+\.\d) \((\d+)%\)", line)
-        assert [c[0] for c in cells] == ["auto", "1", "2", "4", "8"], line
+        assert [c[0] for c in cells] == ["auto", "1", "2", "3", "4", "8"], line
         assert all(float(c[1]) > 0 for c in cells), line
     assert bench_gemm_splits.ENV not in os.environ, "the override is restored"

@@ -1,6 +1,7 @@
 """benchmarks/bench_trace.py: without a GPU it says so and exits 0; on an SM90 GPU every
 profiled replay of the cute layer lists its kernels (the two grouped GEMMs among them) with a
-device time, and the read control is printed when asked for."""
+device time, also when the replays rotate through weight copies (--evict rotate), and the
+read control is printed when asked for."""
 from __future__ import annotations
 
 import os
@@ -37,7 +38,8 @@ def test_without_gpu_says_so(capsys):
 
 
 @pytest.mark.skipif(not (SM90 and HAS_CUDA), reason="needs an SM90 GPU and the CUDA build")
-@pytest.mark.parametrize("extra", [[], ["--gemm-only", "--clean-l2", "--read-control"]])
+@pytest.mark.parametrize("extra", [[], ["--gemm-only", "--clean-l2", "--read-control"],
+                                   ["--gemm-only", "--evict", "rotate", "--read-control"]])
 def test_lists_the_kernels_of_a_replay(capsys, extra):
     assert bench_trace.main(["--shapes", "qwen3_30b", "--dtypes", "bf16", "--m", "2",
                              "--iters", "3"] + extra) == 0
@@ -52,3 +54,6 @@ def test_lists_the_kernels_of_a_replay(capsys, extra):
     else:  # the layer also permutes and unpermutes
         assert any("unpermute" in r[1] for r in rows), out
     assert "device span" in out
+    if "rotate" in extra:
+        assert re.search(r"rotating R = \d+ weight copies", out), out
+        assert re.search(r"read control: .* R = \d+ buffers in turn", out), out

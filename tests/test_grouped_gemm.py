@@ -347,6 +347,44 @@ def test_cuda_k_split(dtype, a_mode, b_mode):
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch):
+    """Every K split 1..8 forced through HOPPER_MOE_CUTE_K_SPLITS: many units per CTA, a K
+    range per split that is empty for the last splits (K of a few k-tiles), N and K tails,
+    empty experts and rows past the last expert; each against the reference, and the split
+    outputs close to the unsplit one."""
+    rng = random.Random(8)
+    counts = [0] * 48
+    for _ in range(150):
+        counts[rng.randrange(40)] += 1
+    failures = []
+    for n, k, extra in ((520, 4112, 0), (200, 272, 2), (128, 1024, 1)):
+        a, b, offs, sa, sb = make_problem(counts + [extra], n, k, dtype, a_mode, b_mode,
+                                          seed=n + k, device="cuda")
+        b, offs = b[:len(counts)].contiguous(), offs[:len(counts) + 1].contiguous()
+        if sb is not None:
+            sb = sb[:len(counts)].contiguous()
+        unsplit = None
+        for splits in range(1, 9):
+            monkeypatch.setenv("HOPPER_MOE_CUTE_K_SPLITS", str(splits))
+            try:
+                out = run(a, b, offs, sa, sb)
+                check_against_reference(out, a, b, offs, sa, sb)
+                if unsplit is None:
+                    unsplit = out
+                else:
+                    torch.testing.assert_close(out.float(), unsplit.float(), atol=2e-2,
+                                               rtol=1e-2, equal_nan=True)
+            except (AssertionError, RuntimeError) as err:
+                failures.append(f"N={n} K={k} splits={splits}: {str(err).splitlines()[0]}")
+    monkeypatch.delenv("HOPPER_MOE_CUTE_K_SPLITS")
+    assert not failures, "\n".join(failures)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
 def test_cuda_persistent_units(dtype, a_mode, b_mode):
     """The persistent scheduler: launches with many units per CTA (256 experts x 8 weight

@@ -11,6 +11,7 @@ layer.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -136,6 +137,13 @@ def main():
             # K split (bf16 4 ways, FP8 2) with N and K tails, the standard mapping
             gemm_ops(counts, n, k)
             print("ok grouped gemm", dict(experts=len(counts), rows=sum(counts), n=n, k=k))
+        # Forced K splits of 4 and 8 with several units per CTA and, at 8 ways of 4 k-tiles,
+        # empty K ranges.
+        for splits in ("4", "8"):
+            os.environ["HOPPER_MOE_CUTE_K_SPLITS"] = splits
+            gemm_ops([3, 0, 5, 2] * 6, 136, 272)
+            print("ok grouped gemm, forced K split", splits)
+        del os.environ["HOPPER_MOE_CUTE_K_SPLITS"]
         for T, E, K in ((1, 8, 2), (40, 16, 4)):
             x = randn(T, 256)
             w1, w2 = randn(E, 256, 256) / 16, randn(E, 256, 128) / 16
