@@ -275,27 +275,40 @@ def time_cuda(fn: Callable[[], Any], *, iters: int = 100, warmup: int = 10,
     """Time `fn` on the current CUDA device: CUDA graph of one call, `warmup` replays, then
     `iters` timed replays with eviction between them; median. Falls back to eager timing (and
     says why in Timing.note) when capture fails. Returns (timing, output of the last call)."""
+    return _time_cycled([fn], iters=iters, warmup=warmup, between=evict, use_graph=use_graph)
+
+
+def _time_cycled(fns: Sequence[Callable[[], Any]], *, iters: int, warmup: int,
+                 between: Callable[[], None] | None, use_graph: bool) -> tuple[Timing, Any]:
+    """The timing of time_cuda and time_cuda_rotated: one CUDA graph per callable,
+    warmup_replays(warmup, len(fns)) warm-up replays, then `iters` timed replays, replay i on
+    graph i % len(fns), `between` before each (outside the events); median. Falls back to
+    eager calls cycled the same way when a capture fails. Returns (timing, output of the last
+    timed replay)."""
     note = ""
+    r = len(fns)
     if use_graph:
         try:
-            graph, out = capture_graph(fn)
+            graphs, outs = capture_graphs(fns)
         except Exception as exc:  # noqa: BLE001  (host sync, unsupported op, ...)
             _recover_after_capture_failure()
             note = "graph capture failed, eager timing: " + short_error(exc, 120)
         else:
-            for _ in range(warmup):
-                graph.replay()
-            samples = event_loop(graph.replay, evict, iters)
-            out = _detach_copy(out)  # the output of the last timed replay
-            del graph
+            replay = Cycle([g.replay for g in graphs])
+            for _ in range(warmup_replays(warmup, r)):
+                replay()
+            samples = event_loop(replay, between, iters)
+            out = _detach_copy(outs[replay.last])
+            del graphs, outs, replay
             return _summary(samples, "graph"), out
     holder: dict[str, Any] = {}
+    calls = Cycle(fns)
 
     def eager() -> None:
-        holder["out"] = fn()
-    for _ in range(max(1, warmup)):
+        holder["out"] = calls()
+    for _ in range(warmup_replays(max(1, warmup), r)):
         eager()
-    samples = event_loop(eager, evict, iters)
+    samples = event_loop(eager, between, iters)
     return _summary(samples, "eager", note), holder.get("out")
 
 
@@ -607,31 +620,8 @@ def time_cuda_rotated(fns: Sequence[Callable[[], Any]], *, iters: int = 100,
     replay i on graph i % R, events around each replay and only rotation_spacer between them;
     median. Falls back to eager calls cycled the same way when a capture fails. Returns
     (timing, output of the last timed replay)."""
-    note = ""
-    r = len(fns)
-    if use_graph:
-        try:
-            graphs, outs = capture_graphs(fns)
-        except Exception as exc:  # noqa: BLE001  (host sync, unsupported op, ...)
-            _recover_after_capture_failure()
-            note = "graph capture failed, eager timing: " + short_error(exc, 120)
-        else:
-            replay = Cycle([g.replay for g in graphs])
-            for _ in range(warmup_replays(warmup, r)):
-                replay()
-            samples = event_loop(replay, rotation_spacer, iters)
-            out = _detach_copy(outs[replay.last])
-            del graphs, outs, replay
-            return _summary(samples, "graph"), out
-    holder: dict[str, Any] = {}
-    calls = Cycle(fns)
-
-    def eager() -> None:
-        holder["out"] = calls()
-    for _ in range(warmup_replays(max(1, warmup), r)):
-        eager()
-    samples = event_loop(eager, rotation_spacer, iters)
-    return _summary(samples, "eager", note), holder.get("out")
+    return _time_cycled(fns, iters=iters, warmup=warmup, between=rotation_spacer,
+                        use_graph=use_graph)
 
 
 ROTATE_SPACER_CYCLES = 100_000  # about 50 us at H200 clocks
