@@ -5,6 +5,8 @@
 Environment:
   CUTLASS_DIR          CUTLASS checkout to use instead of the nvidia-cutlass package
   HOPPER_MOE_CPU_ONLY  1: build only the CPU implementations (no nvcc needed)
+  HOPPER_MOE_NVCC_FLAGS  extra nvcc flags, space-separated (e.g. -DHOPPER_MOE_GEMM_TIMELINE
+                       for tools/gemm_timeline.py; a diagnosis build, not for timing)
   MAX_JOBS             parallel compile jobs (ninja)
 ptxas prints registers, shared memory and spills of every kernel (-Xptxas=-v); with `pip -v`
 that lands in the build log, which tools/check_ptxas.py reads to fail a build that spills.
@@ -65,7 +67,7 @@ else:
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ] + defines
+    ] + defines + os.environ.get("HOPPER_MOE_NVCC_FLAGS", "").split()
     ext = CUDAExtension(
         "hopper_moe._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags})

@@ -268,6 +268,28 @@ CUTLASS_DEVICE void fold_amax_scale(const MoeGemmParams& p, float amax) {
   }
 }
 
+// A per-CTA timeline for diagnosis, compiled in only with -DHOPPER_MOE_GEMM_TIMELINE
+// (tools/gemm_timeline.py): %globaltimer stamps (ns) at the kernel's start, when the prefix
+// table is ready, after the producer's wait for the previous kernel, when it has issued its
+// last copy, at the first k-tile's arrival and at the start of each of the first
+// kTimelineUnits units, printed once per CTA as it ends. Off, the kernel is unchanged.
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+#define HM_TIMELINE(...) __VA_ARGS__
+#else
+#define HM_TIMELINE(...)
+#endif
+inline constexpr int kTimelineUnits = 8;
+CUTLASS_DEVICE uint64_t timeline_now() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+CUTLASS_DEVICE uint32_t timeline_sm() {
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+
 template <class Config, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval, class TmaA, class TmaB>
 __global__ void __launch_bounds__(Config::kThreads, 1)
@@ -289,6 +311,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // SM and all of this grid's CTAs resident, so they never hold back this grid). The offsets
   // are read before waiting for the previous kernel only when the caller says that kernel
   // does not write them (offsets_ready); the weights never depend on it.
+  HM_TIMELINE(const uint64_t tl_start = timeline_now();)
   pdl::launch_dependents();
   if (!p.offsets_ready) pdl::wait_for_prerequisites();
 
@@ -330,6 +353,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   const int n_tiles = p.n_tiles;
   const int64_t units = int64_t(smem.tile_prefix[p.num_experts]) * n_tiles * p.k_splits;
+  HM_TIMELINE(const uint64_t tl_ready = timeline_now();)
 
   // Coordinate views of the whole operands, the weights (E*N,K) and the tokens (M,K) on the
   // A or B side by the mapping. Rows are int32 TMA coordinates: E*N and m_total stay below
@@ -400,6 +424,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
       }
       pdl::wait_for_prerequisites();
+      HM_TIMELINE(const uint64_t tl_waited = timeline_now();)
       cutlass::PipelineState<kStages> write(0, 1, 0);
       int issued = 0;
       for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -416,6 +441,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ++write;
         }
       }
+      HM_TIMELINE(printf("HMTL P n=%d k=%d silu=%d splits=%d grid=%d cta=%d sm=%u start=%llu "
+                         "ready=%llu waited=%llu issued=%llu\n", p.n, p.k, int(p.silu_mul),
+                         p.k_splits, int(gridDim.x), int(blockIdx.x), timeline_sm(),
+                         (unsigned long long)tl_start, (unsigned long long)tl_ready,
+                         (unsigned long long)tl_waited,
+                         (unsigned long long)timeline_now());)
     }
     return;
   }
@@ -447,7 +478,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   constexpr int kEpiBarrier = 1;  // named barrier of the 256 consumer threads (0 is syncthreads)
 
   cutlass::PipelineState<kStages> read;  // (slot 0, phase 0)
+  HM_TIMELINE(uint64_t tl_first = 0; uint64_t tl_unit[kTimelineUnits] = {}; int tl_units = 0;)
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    HM_TIMELINE(if (tl_units < kTimelineUnits) tl_unit[tl_units] = timeline_now(); ++tl_units;)
     const MoeGemmUnit u =
         decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
     clear(acc);
@@ -459,6 +492,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt) {
       const int s = read.index();
       FullBarrier::wait(&smem.full[s], read.phase());
+      HM_TIMELINE(if (tl_first == 0) tl_first = timeline_now();)
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);
@@ -587,6 +621,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
   }
+  HM_TIMELINE(if (ct == 0) {
+    printf("HMTL C n=%d k=%d silu=%d splits=%d grid=%d cta=%d sm=%u first=%llu units=%d "
+           "u=%llu,%llu,%llu,%llu,%llu,%llu,%llu,%llu end=%llu\n", p.n, p.k, int(p.silu_mul),
+           p.k_splits, int(gridDim.x), int(blockIdx.x), timeline_sm(),
+           (unsigned long long)tl_first, tl_units, (unsigned long long)tl_unit[0],
+           (unsigned long long)tl_unit[1], (unsigned long long)tl_unit[2],
+           (unsigned long long)tl_unit[3], (unsigned long long)tl_unit[4],
+           (unsigned long long)tl_unit[5], (unsigned long long)tl_unit[6],
+           (unsigned long long)tl_unit[7], (unsigned long long)timeline_now());
+  })
 }
 
 // Sum of the K splits for the rows each expert owns (clamped as in the GEMM): out[row, n] =

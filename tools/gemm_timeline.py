@@ -1,0 +1,179 @@
+"""Where a GEMM-only replay's time goes, CTA by CTA: the grouped GEMM's timeline stamps.
+
+Needs an extension built with the stamps compiled in (a diagnosis build: see below for what
+its printf perturbs):
+
+    HOPPER_MOE_NVCC_FLAGS=-DHOPPER_MOE_GEMM_TIMELINE python setup.py build_ext --inplace
+    PYTHONPATH=python python tools/gemm_timeline.py --shape mixtral --dtype fp8_tensor --m 1
+
+One eager call of bench_moe.py's GEMM-only pair (the row's inputs and routing), after the
+benchmark's L2 eviction (--evict write or clean), with the device's printf captured. Each CTA
+of each launch reports %globaltimer (ns) at its start, when its prefix table is ready, after
+its producer's wait for the previous kernel, when the producer has issued its last copy, at
+its first k-tile's arrival and at the start of each unit. Printed per launch, relative to the
+first launch's earliest start, in microseconds: min / median / max over the CTAs of each stamp,
+the units per CTA, and the spans that matter for the floor (first byte, the last wave, the
+overlap with the next launch). `--raw FILE` keeps the lines. A CTA's printf at its end
+delays the CTAs and launches after it: the stamps up to a launch's first CTA end are the
+undisturbed ones.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_moe  # noqa: E402
+import common as C  # noqa: E402
+
+LINE = re.compile(r"HMTL (?P<kind>[PC]) (?P<fields>.*)")
+
+
+def parse(text: str) -> dict[tuple, dict[int, dict[str, int]]]:
+    """{launch key (n, k, silu, splits, grid): {cta: {stamp: ns}}} from the stamps' lines."""
+    launches: dict[tuple, dict[int, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
+    for line in text.splitlines():
+        m = LINE.search(line)
+        if not m:
+            continue
+        kv = dict(item.split("=", 1) for item in m.group("fields").split())
+        key = tuple(int(kv[f]) for f in ("n", "k", "silu", "splits", "grid"))
+        cta = launches[key][int(kv["cta"])]
+        cta["sm"] = int(kv["sm"])
+        if m.group("kind") == "P":
+            for f in ("start", "ready", "waited", "issued"):
+                cta[f] = int(kv[f])
+        else:
+            if int(kv["first"]):  # 0: the CTA had no unit
+                cta["first"] = int(kv["first"])
+            cta["end"] = int(kv["end"])
+            cta["units"] = int(kv["units"])
+            for j, t in enumerate(kv["u"].split(",")):
+                if int(t):
+                    cta[f"u{j}"] = int(t)
+    return launches
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(min, median, max)."""
+    return min(values), statistics.median(values), max(values)
+
+
+def report(launches: dict[tuple, dict[int, dict[str, int]]]) -> str:
+    """The per-launch table, in order of the launches' first start."""
+    if not launches:
+        return "no timeline lines: is the extension built with -DHOPPER_MOE_GEMM_TIMELINE?"
+    order = sorted(launches, key=lambda k: min(c.get("start", 1 << 62)
+                                               for c in launches[k].values()))
+    t0 = min(c["start"] for c in launches[order[0]].values() if "start" in c)
+    us = lambda t: (t - t0) / 1e3  # noqa: E731
+    out = ["# times in us from the first launch's earliest CTA start; min / median / max "
+           "over a launch's CTAs"]
+    for key in order:
+        ctas = launches[key]
+        n, k, silu, splits, grid = key
+        out.append(f"\n## launch n={n} k={k} silu_mul={silu} k_splits={splits} grid={grid} "
+                   f"({len(ctas)} CTAs reported)")
+        out.append("| stamp | min | median | max |")
+        out.append("|---|---|---|---|")
+        names = ["start", "ready", "waited", "first", "issued"]
+        names += sorted({s for c in ctas.values() for s in c if re.fullmatch(r"u\d+", s)},
+                        key=lambda s: int(s[1:]))
+        names.append("end")
+        for name in names:
+            vals = [us(c[name]) for c in ctas.values() if name in c]
+            if vals:
+                out.append("| {} | {:.1f} | {:.1f} | {:.1f} |".format(name, *spread(vals)))
+        units = [c["units"] for c in ctas.values() if "units" in c]
+        if units:
+            hist = defaultdict(int)
+            for u in units:
+                hist[u] += 1
+            out.append("units per CTA: " + ", ".join(f"{u}: {hist[u]} CTAs"
+                                                     for u in sorted(hist)))
+        firsts = [(c["first"] - c["start"]) / 1e3 for c in ctas.values()
+                  if c.get("first") and "start" in c]
+        if firsts:
+            out.append("start -> first k-tile, us: min {:.1f}, median {:.1f}, max {:.1f}"
+                       .format(*spread(firsts)))
+        ends = sorted(us(c["end"]) for c in ctas.values() if "end" in c)
+        if ends:
+            out.append(f"CTA ends: 10% {ends[len(ends) // 10]:.1f}, 50% "
+                       f"{ends[len(ends) // 2]:.1f}, 90% {ends[9 * len(ends) // 10]:.1f}, "
+                       f"last {ends[-1]:.1f}")
+    return "\n".join(out)
+
+
+def run_once(fn, evict) -> str:
+    """One call of fn after the eviction, with the device's printf (fd 1) captured. Lines the
+    device flushes late (a previous call's, at this call's first synchronize) come first and
+    are overwritten by this call's lines of the same CTA in parse()."""
+    torch.cuda.synchronize()
+    if evict is not None:
+        evict()
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        tmp.seek(0)
+        return tmp.read().decode(errors="replace")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="mixtral", choices=sorted(C.SHAPES))
+    p.add_argument("--dtype", default="fp8_tensor")
+    p.add_argument("--m", type=int, default=1)
+    p.add_argument("--evict", default="clean", choices=("write", "clean", "none"))
+    p.add_argument("--seed", type=int, default=0, help="bench_moe.py's seed")
+    p.add_argument("--raw", help="also write the stamps' lines to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_timeline: needs a GPU")
+        return 0
+    device = torch.device("cuda")
+    lib = bench_moe.Lib(selftest=False)
+    if lib.hm is None:
+        print(f"gemm_timeline: hopper_moe does not import: {lib.import_error}")
+        return 1
+    shape = C.SHAPES[args.shape]
+    w1, w2 = C.make_weights(shape, device, seed=args.seed + 101)
+    w1q, w2q, quant = lib.quantize(w1, w2, args.dtype, False)
+    x, tw, ti, touched, nbytes = bench_moe.row_inputs(shape, args.dtype, args.m, quant, device,
+                                                      args.seed, 0.0, True)
+    fn, how = lib.gemm_only("cute", args.dtype, x, w1q, w2q, tw, ti, quant)
+    if fn is None:
+        print(f"gemm_timeline: no GEMM-only pair: {how}")
+        return 1
+    evict = C.make_evictor(args.evict, device) if args.evict != "none" else None
+    for _ in range(3):
+        run_once(fn, evict)  # warm-up (handles, descriptors), output dropped
+    text = run_once(fn, evict)
+    if args.raw:
+        with open(args.raw, "w") as f:
+            f.write(text)
+    bw = C.measure_ceilings(device, quick=True).copy_bw
+    print(f"# {args.shape} {args.dtype} M={args.m} GEMM-only ({how}), L2 eviction {args.evict}; "
+          f"{touched} experts, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s")
+    print(report(parse(text)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
