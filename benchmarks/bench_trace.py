@@ -7,13 +7,14 @@
 bench_moe.py times a replay with CUDA events: launch latency, the gaps between kernels and
 each kernel's ramp and drain all land in one number. This replays the same graph (L2 evicted
 before each replay as there, --evict write / clean / rotate / none, default a 256 MiB write;
-rotate cycles through one graph per weight copy) under torch.profiler and prints, per kernel
-of the replay in launch order, its median device duration and the median gap between the
-previous kernel's end and its start (negative: the launches overlapped, as programmatic
-dependent launches do), then the replay's device span (first kernel's start to last kernel's
-end) next to the event-timed median. --read-control adds the time of a plain read of the
-floor's bytes under the same eviction (under rotate: R buffers of those bytes, read in turn).
-Needs a GPU; the profiler's own overhead is not in the device times.
+rotate cycles through one graph per weight copy with a spin kernel between replays) under
+torch.profiler and prints, per kernel of the replay in launch order, its median device
+duration and the median gap between the previous kernel's end and its start (negative: the
+launches overlapped, as programmatic dependent launches do), then the replay's device span
+(first kernel's start to last kernel's end) next to the event-timed median. --read-control
+adds the time of a plain read of the floor's bytes under the same eviction (under rotate: R
+buffers of those bytes, read in turn). Needs a GPU; the profiler's own overhead is not in the
+device times.
 """
 from __future__ import annotations
 

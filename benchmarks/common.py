@@ -342,11 +342,12 @@ def time_fn(fn: Callable[[], Any], device: torch.device, *, iters: int, warmup: 
             evict: Callable[[], None] | None = None, use_graph: bool = True,
             copies: Sequence[Callable[[], Any]] | None = None) -> tuple[Timing, Any]:
     """time_cuda on a CUDA device, time_wall on the CPU. `copies` (--evict rotate): `fn` built
-    on each weight copy (WeightRotation.build), timed in rotation by time_cuda_rotated
-    instead (`evict` unused); the CPU times `fn` alone."""
+    on each weight copy (WeightRotation.build), timed in rotation by time_cuda_rotated with
+    `evict` (make_evictor's rotation_spacer) between replays; the CPU times `fn` alone."""
     if device.type == "cuda":
         if copies:
-            return time_cuda_rotated(copies, iters=iters, warmup=warmup, use_graph=use_graph)
+            return time_cuda_rotated(copies, iters=iters, warmup=warmup, use_graph=use_graph,
+                                     between=evict)
         return time_cuda(fn, iters=iters, warmup=warmup, evict=evict, use_graph=use_graph)
     return time_wall(fn, iters=max(3, min(iters, 10)), warmup=min(warmup, 2))
 
@@ -389,13 +390,15 @@ def resolve_evict(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     return args.evict
 
 
-def make_evictor(method: str, device: torch.device) -> L2Evictor | None:
-    """The work between replays for `method`: an L2Evictor for write and clean, None for
-    rotate (the rotation itself evicts) and none, and None on the CPU."""
+def make_evictor(method: str, device: torch.device) -> Callable[[], None] | None:
+    """The work between replays for `method`: an L2Evictor for write and clean,
+    rotation_spacer for rotate (the rotation itself evicts), None for none and on the CPU."""
     if method not in EVICT_METHODS:
         raise ValueError(f"unknown L2 eviction method {method!r} (known: {EVICT_METHODS})")
-    if device.type != "cuda" or method in ("rotate", "none"):
+    if device.type != "cuda" or method == "none":
         return None
+    if method == "rotate":
+        return rotation_spacer
     return L2Evictor(device, clean=method == "clean")
 
 
@@ -614,13 +617,14 @@ def capture_graphs(fns: Sequence[Callable[[], Any]], warmup: int = 3
 
 
 def time_cuda_rotated(fns: Sequence[Callable[[], Any]], *, iters: int = 100,
-                      warmup: int = 10, use_graph: bool = True) -> tuple[Timing, Any]:
+                      warmup: int = 10, use_graph: bool = True,
+                      between: Callable[[], None] | None = None) -> tuple[Timing, Any]:
     """time_cuda for --evict rotate: fns[k] is the row's callable on weight copy k. One CUDA
     graph per copy, warmup_replays(warmup, R) warm-up replays, then `iters` timed replays,
-    replay i on graph i % R, events around each replay and only rotation_spacer between them;
-    median. Falls back to eager calls cycled the same way when a capture fails. Returns
-    (timing, output of the last timed replay)."""
-    return _time_cycled(fns, iters=iters, warmup=warmup, between=rotation_spacer,
+    replay i on graph i % R, events around each replay and only `between` (default
+    rotation_spacer) between them; median. Falls back to eager calls cycled the same way when
+    a capture fails. Returns (timing, output of the last timed replay)."""
+    return _time_cycled(fns, iters=iters, warmup=warmup, between=between or rotation_spacer,
                         use_graph=use_graph)
 
 

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     if fn is None:
         print(f"gemm_timeline: no GEMM-only pair: {how}")
         return 1
-    evict = C.make_evictor(args.evict, device) if args.evict != "none" else None
+    evict = C.make_evictor(args.evict, device)
     for _ in range(3):
         run_once(fn, evict)  # warm-up (handles, descriptors), output dropped
     text = run_once(fn, evict)
