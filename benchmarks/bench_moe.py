@@ -647,7 +647,8 @@ def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
         + (f", Zipf skew s={args.zipf}" if args.zipf else "") + f"; seed {args.seed}",
         (f"timing: {'eager' if args.no_graph else 'CUDA graph'} of one call"
          + (" per weight copy" if args.evict == "rotate" else "")
-         + f", {args.warmup} warm-up replays, median of {args.iters} timed replays; "
+         + f", {args.warmup} warm-up replays and more until {C.WARMUP_MIN_MS:g} ms of GPU "
+         f"time, median of {args.iters} timed replays; "
          + C.evict_description(args.evict, C.l2_cache_bytes(device)))
         if device.type == "cuda"
         else "timing: CPU wall clock, median (a harness check); no L2 eviction on the CPU",

@@ -647,7 +647,8 @@ def main(argv=None) -> int:
         if device.type == "cuda" and m >= 1024:
             torch.cuda.empty_cache()
     extra = [
-        f"timing: CUDA graph of one op call, {args.warmup} warm-up replays, median of "
+        f"timing: CUDA graph of one op call, {args.warmup} warm-up replays and more until "
+        f"{C.WARMUP_MIN_MS:g} ms of GPU time, median of "
         f"{args.iters} replays, " + ("no L2 eviction" if evict is None else
                                      "256 MiB L2 eviction write between replays"),
         "GB/s = fewest bytes the op must move (each input read once, each output written "

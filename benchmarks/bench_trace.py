@@ -11,7 +11,10 @@ rotate cycles through one graph per weight copy with a spin kernel between repla
 torch.profiler and prints, per kernel of the replay in launch order, its median device
 duration and the median gap between the previous kernel's end and its start (negative: the
 launches overlapped, as programmatic dependent launches do), then the replay's device span
-(first kernel's start to last kernel's end) next to the event-timed median. --read-control
+(first kernel's start to last kernel's end) next to the event-timed median, and the device
+time around it: from the end of the marker kernel launched just before the replay to the
+replay's first kernel's start, and from its last kernel's end to the start of the marker
+after it (where the events' extra time over the span is spent). --read-control
 adds the time of a plain read of the floor's bytes under the same eviction (under rotate: R
 buffers of those bytes, read in turn). Needs a GPU; the profiler's own overhead is not in the
 device times.
@@ -58,20 +61,28 @@ def short(name: str, width: int = 60) -> str:
     return base[:width + 4]
 
 
-def kernels_per_replay(prof, begin: str, end: str) -> list[list[tuple[str, float, float]]]:
-    """[(name, start us, end us)] per replay: the device kernels between a kernel whose name
-    contains `begin` and the next one whose name contains `end` (the markers around each
-    replay)."""
+class Replay(list):
+    """The kernels of one replay, [(name, start us, end us)] in start order, plus the end of
+    the marker kernel before it (begin_end) and the start of the one after it (end_start)."""
+    begin_end: float = 0.0
+    end_start: float = 0.0
+
+
+def kernels_per_replay(prof, begin: str, end: str) -> list[Replay]:
+    """The replays between a kernel whose name contains `begin` and the next one whose name
+    contains `end` (the markers around each replay), each its device kernels."""
     events = [e for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
     events.sort(key=lambda e: e.time_range.start)
-    replays: list[list[tuple[str, float, float]]] = []
-    current: list[tuple[str, float, float]] | None = None
+    replays: list[Replay] = []
+    current: Replay | None = None
     for e in events:
         if begin in e.name:
-            current = []
+            current = Replay()
+            current.begin_end = float(e.time_range.end)
         elif end in e.name:
             if current:
+                current.end_start = float(e.time_range.start)
                 replays.append(current)
             current = None
         elif current is not None:
@@ -79,7 +90,7 @@ def kernels_per_replay(prof, begin: str, end: str) -> list[list[tuple[str, float
     return replays
 
 
-def summarize(replays: list[list[tuple[str, float, float]]]) -> list[str]:
+def summarize(replays: list[Replay]) -> list[str]:
     counts = {len(r) for r in replays}
     if len(counts) != 1:
         return [f"replays have different kernel counts {sorted(counts)}: not summarized"]
@@ -91,8 +102,12 @@ def summarize(replays: list[list[tuple[str, float, float]]]) -> list[str]:
         lines.append(f"| {i} | `{short(replays[0][i][0])}` | {dur:.1f} | {gap} |")
     span = statistics.median(max(k[2] for k in r) - r[0][1] for r in replays)
     busy = statistics.median(sum(k[2] - k[1] for k in r) for r in replays)
+    lead = statistics.median(r[0][1] - r.begin_end for r in replays)
+    tail = statistics.median(r.end_start - max(k[2] for k in r) for r in replays)
     lines.append(f"\ndevice span {span:.1f} us (first start to last end), kernel time summed "
-                 f"{busy:.1f} us")
+                 f"{busy:.1f} us; around the replay: {lead:.1f} us from the marker kernel "
+                 f"before it to its first kernel's start, {tail:.1f} us from its last kernel's "
+                 f"end to the marker after it")
     return lines
 
 
@@ -111,8 +126,7 @@ def read_control(args, dev: torch.device, shape: C.MoEShape, nbytes: int, evict)
             torch.sum(b, dim=0, out=sink)
         return read_all
     read = C.Cycle([make_read(b) for (b,) in bufs])
-    for _ in range(C.warmup_replays(0, len(bufs))):  # under rotate: each buffer read once
-        read()
+    C.warm_up(read, 0, len(bufs))  # under rotate: each buffer read in turn
     times = C.event_loop(read, evict, max(args.iters, 20))
     copies = f", R = {len(bufs)} buffers in turn" if rot is not None else ""
     return (f"read control: an fp32 sum over the floor's {nbytes / 1e6:.1f} MB{copies}, "
@@ -162,8 +176,7 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     graphs, _ = C.capture_graphs(fns)
                     replay = C.Cycle([g.replay for g in graphs])
-                    for _ in range(C.warmup_replays(5, len(graphs))):
-                        replay()
+                    C.warm_up(replay, 5, len(graphs))
                     timed = C.event_loop(replay, evict, max(args.iters, 20))
                     torch.cuda.synchronize()
                     marker = torch.zeros(1, dtype=torch.int32, device=dev)

@@ -200,8 +200,31 @@ class FakeGraph:
         self.log.append(self.k)
 
 
+@pytest.mark.parametrize("copies, per_batch_ms, min_ms, want", [
+    (1, 3.0, 20.0, 10 + 7 * 8), (3, 5.0, 20.0, 12 + 4 * 9), (2, 0.0, 1.0, None),
+    (4, 1.0, 0.0, 12)])
+def test_warm_up_runs_until_the_gpu_time(copies, per_batch_ms, min_ms, want):
+    # (on the CPU, with a fake timer) the count, then whole rotations until min_ms is spent
+    calls: list[int] = []
+    batches: list[int] = []
+
+    def timer(fn):
+        before = len(calls)
+        fn()
+        batches.append(len(calls) - before)
+        return per_batch_ms
+    done = common.warm_up(lambda: calls.append(1), 10, copies, min_ms=min_ms, timer=timer)
+    assert done == len(calls)
+    assert all(b % copies == 0 and b >= 8 for b in batches)  # whole rotations per batch
+    if want is None:  # a timer that never counts: stops at the cap
+        assert done <= common.WARMUP_MAX_REPLAYS and done + batches[0] > common.WARMUP_MAX_REPLAYS
+    else:
+        assert done == want
+
+
 @pytest.mark.parametrize("r, warmup, iters", [(3, 10, 7), (5, 2, 12), (2, 0, 4)])
 def test_time_cuda_rotated_cycles_the_graphs(monkeypatch, r, warmup, iters):
+    monkeypatch.setattr(common, "WARMUP_MIN_MS", 0.0)  # the count only (a GPU would time)
     log: list[int] = []
     outs = [torch.full((2,), float(k)) for k in range(r)]
 
@@ -232,6 +255,7 @@ def test_time_cuda_rotated_cycles_the_graphs(monkeypatch, r, warmup, iters):
 
 
 def test_time_cuda_rotated_falls_back_to_eager_cycling(monkeypatch):
+    monkeypatch.setattr(common, "WARMUP_MIN_MS", 0.0)
     def failing_capture(fns, warmup=3):
         raise RuntimeError("capture not supported")
     calls: list[int] = []

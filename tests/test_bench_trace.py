@@ -57,3 +57,22 @@ def test_lists_the_kernels_of_a_replay(capsys, extra):
     if "rotate" in extra:
         assert re.search(r"rotating R = \d+ weight copies", out), out
         assert re.search(r"read control: .* R = \d+ buffers in turn", out), out
+
+
+def test_summary_of_synthetic_replays():
+    # (on the CPU) two replays of two kernels; medians of durations, gaps, span, lead, tail
+    replays = []
+    for shift, lead, tail in ((0.0, 3.0, 1.0), (100.0, 5.0, 2.0)):
+        r = bench_trace.Replay([("gemm_a(int)", shift + 10.0, shift + 30.0),
+                                ("gemm_b(int)", shift + 25.0, shift + 45.0 + lead)])
+        r.begin_end = shift + 10.0 - lead
+        r.end_start = shift + 45.0 + lead + tail
+        replays.append(r)
+    lines = bench_trace.summarize(replays)
+    assert lines[2] == "| 0 | `gemm_a` | 20.0 |  |", lines
+    assert lines[3].startswith("| 1 | `gemm_b` | 24.0 | -5.0 |"), lines
+    assert "device span 39.0 us" in lines[-1], lines
+    assert "4.0 us from the marker kernel before it" in lines[-1], lines
+    assert "1.5 us from its last kernel's end" in lines[-1], lines
+    odd = bench_trace.Replay([("k", 0.0, 1.0)])
+    assert "different kernel counts" in bench_trace.summarize(replays + [odd])[0]
