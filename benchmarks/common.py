@@ -281,8 +281,8 @@ def time_cuda(fn: Callable[[], Any], *, iters: int = 100, warmup: int = 10,
 def _time_cycled(fns: Sequence[Callable[[], Any]], *, iters: int, warmup: int,
                  between: Callable[[], None] | None, use_graph: bool) -> tuple[Timing, Any]:
     """The timing of time_cuda and time_cuda_rotated: one CUDA graph per callable,
-    warmup_replays(warmup, len(fns)) warm-up replays, then `iters` timed replays, replay i on
-    graph i % len(fns), `between` before each (outside the events); median. Falls back to
+    warm_up(warmup, len(fns)) (the count, then 20 ms of GPU time), then `iters` timed
+    replays, replay i on graph i % len(fns), `between` before each (outside the events); median. Falls back to
     eager calls cycled the same way when a capture fails. Returns (timing, output of the last
     timed replay)."""
     note = ""
@@ -624,7 +624,7 @@ def warm_up(run: Callable[[], Any], warmup: int, copies: int = 1, *,
     WARMUP_MAX_REPLAYS calls. A count alone is not enough: right after a capture the first
     few milliseconds of replays ran ~10% slower on the H200 (FP8 GEMM-only M = 1 under
     rotation: 104-107 us against 97 for the same graphs a loop later; benchmarks/NOTES.md,
-    the warm-up). Returns the calls made."""
+    "the first replays after a capture"). Returns the calls made."""
     done = warmup_replays(warmup, copies)
     for _ in range(done):
         run()
@@ -665,7 +665,7 @@ def time_cuda_rotated(fns: Sequence[Callable[[], Any]], *, iters: int = 100,
                       warmup: int = 10, use_graph: bool = True,
                       between: Callable[[], None] | None = None) -> tuple[Timing, Any]:
     """time_cuda for --evict rotate: fns[k] is the row's callable on weight copy k. One CUDA
-    graph per copy, warmup_replays(warmup, R) warm-up replays, then `iters` timed replays,
+    graph per copy, warm_up(warmup, R) as in _time_cycled, then `iters` timed replays,
     replay i on graph i % R, events around each replay and only `between` (default
     rotation_spacer) between them; median. Falls back to eager calls cycled the same way when
     a capture fails. Returns (timing, output of the last timed replay)."""
