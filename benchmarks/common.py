@@ -282,9 +282,9 @@ def _time_cycled(fns: Sequence[Callable[[], Any]], *, iters: int, warmup: int,
                  between: Callable[[], None] | None, use_graph: bool) -> tuple[Timing, Any]:
     """The timing of time_cuda and time_cuda_rotated: one CUDA graph per callable,
     warm_up(warmup, len(fns)) (the count, then 20 ms of GPU time), then `iters` timed
-    replays, replay i on graph i % len(fns), `between` before each (outside the events); median. Falls back to
-    eager calls cycled the same way when a capture fails. Returns (timing, output of the last
-    timed replay)."""
+    replays, replay i on graph i % len(fns), `between` before each (outside the events);
+    median. Falls back to eager calls cycled the same way when a capture fails. Returns
+    (timing, output of the last timed replay)."""
     note = ""
     r = len(fns)
     if use_graph:
