@@ -18,6 +18,16 @@ from hopper_moe import ops, reference
 FP8 = torch.float8_e4m3fn
 
 
+
+# The swap-AB warpgroup pair: as the heuristic chooses it, and forced wherever a launch has one.
+PAIRS = pytest.mark.parametrize("pair", ["", "1"], ids=["heuristic", "pair"])
+
+
+def use_pair(monkeypatch, pair: str) -> None:
+    if pair:
+        monkeypatch.setenv("HOPPER_MOE_CUTE_PAIR", pair)
+
+
 def offsets_from_counts(counts, device="cpu"):
     return torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()), dtype=torch.int64,
                         device=device)
@@ -258,7 +268,9 @@ def test_cuda_refuses_off_sm90():
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_grid_matches_reference(dtype, a_mode, b_mode):
+@PAIRS
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
+    use_pair(monkeypatch, pair)
     rng = random.Random(5)
     failures = []
     for case in range(120):
@@ -287,13 +299,15 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode):
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_every_token_tile(dtype, a_mode, b_mode):
+@PAIRS
+def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
     """Each token tile of heuristics/sm90.h (bf16 16..128, FP8 16..64), picked through m_total:
     8 * tile rows over 16 experts put the fullest expert's expected rows above the next smaller
     tile and within this one. Ragged counts: the first and last experts empty, experts of the
     tile's size, one over and one under it, one of 2 tiles + 5 rows (three token tiles, the
     last partial), the rest spread at random; N = 200 (a partial weight tile), more k-tiles
     than stages and a K tail."""
+    use_pair(monkeypatch, pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     e, n = 16, 200
     k = 1032 if dtype == "bf16" else 1040  # 17 k-tiles of 64 / 9 of 128, both with a tail
@@ -320,10 +334,12 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode):
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_k_split(dtype, a_mode, b_mode):
+@PAIRS
+def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
     """Launches with so few units that heuristics/sm90.h splits K (2 to 4 ways): partial sums
     of every split added once, scales applied once, rows that no expert owns (here the last,
     past offsets[E]) left untouched, N and K tails."""
+    use_pair(monkeypatch, pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     failures = []
     for counts, extra, n, k in (([1, 0, 0, 1], 1, 512, 8192), ([0, 2, 1], 0, 200, 8208),
@@ -349,11 +365,13 @@ def test_cuda_k_split(dtype, a_mode, b_mode):
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch):
+@PAIRS
+def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
     """Every K split 1..8 forced through HOPPER_MOE_CUTE_K_SPLITS: many units per CTA, a K
     range per split that is empty for the last splits (K of a few k-tiles), N and K tails,
     empty experts and rows past the last expert; each against the reference, and the split
     outputs close to the unsplit one."""
+    use_pair(monkeypatch, pair)
     rng = random.Random(8)
     counts = [0] * 48
     for _ in range(150):
@@ -386,12 +404,14 @@ def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch):
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-def test_cuda_persistent_units(dtype, a_mode, b_mode):
+@PAIRS
+def test_cuda_persistent_units(dtype, a_mode, b_mode, pair, monkeypatch):
     """The persistent scheduler: launches with many units per CTA (256 experts x 8 weight
     tiles; 1024 experts, the prefix table's capacity, most of them empty; one expert with
     hundreds of rows, so dozens of token tiles, next to an empty one), a column count that is
     not a multiple of 8 (element stores) and an output row stride that is not either (a view
     into a wider buffer, whose extra columns must stay untouched)."""
+    use_pair(monkeypatch, pair)
     rng = random.Random(21)
     failures = []
     for e, m_tot, n, k, pad in ((256, 512, 1024, 256, 0), (1024, 64, 64, 128, 0),
@@ -489,7 +509,9 @@ def test_cuda_fp8_large_k_accumulation():
     (512, 8192, 4, ([4, 0, 0, 0], [0, 1, 3, 0], [2, 0, 0, 2])),  # the K split's workspace
     (256, 256, 1, ([600, 0, 0, 0], [0, 100, 499, 1], [150, 150, 150, 150])),  # standard
 ])
-def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays):
+@PAIRS
+def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays, pair, monkeypatch):
+    use_pair(monkeypatch, pair)
     m = sum(replays[0])
     assert rule_k_splits("bf16", m, 4, n, k) == splits
     a, b, offs, _, _ = make_problem(replays[-1], n, k, device="cuda")

@@ -20,6 +20,16 @@ FP8 = torch.float8_e4m3fn
 NAN_E4M3 = 0x7F  # the poison byte of e4m3 outputs (a NaN)
 
 
+
+# The swap-AB warpgroup pair: as the heuristic chooses it, and forced wherever a launch has one.
+PAIRS = pytest.mark.parametrize("pair", ["", "1"], ids=["heuristic", "pair"])
+
+
+def use_pair(monkeypatch, pair: str) -> None:
+    if pair:
+        monkeypatch.setenv("HOPPER_MOE_CUTE_PAIR", pair)
+
+
 def make_gated(counts, inter, k, dtype="bf16", a_mode="tensor", b_mode="tensor", seed=0,
                device="cpu", out_scale=None):
     """GEMM1's operands with b = [gate; up] per expert (N = 2 * inter), and the static output
@@ -247,9 +257,11 @@ def _failures(cases, fn):
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
-def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale):
+@PAIRS
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale, pair, monkeypatch):
     """Random decode problems: E in {1, 8, 64, 128, 256}, 1..64 rows (sometimes all in one
     expert), I with tails (not a multiple of the 64-column tile, or of 8: element stores)."""
+    use_pair(monkeypatch, pair)
     rng = random.Random(7)
     cases = []
     for case in range(60):
@@ -277,11 +289,13 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale):
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
+@PAIRS
 def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_scale,
-                                                  monkeypatch):
+                                                  monkeypatch, pair):
     """Every swap-AB token tile (ragged experts with 3 token tiles, the last partial), the
     standard mapping at hundreds and at 16k rows, a K split (few units, long K, the reduce
     kernel's SiLU*mul), an output whose row stride is not a multiple of 8."""
+    use_pair(monkeypatch, pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     k = 1032 if dtype == "bf16" else 1040
     rng = random.Random(3)
@@ -323,9 +337,11 @@ def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_sca
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cuda_amax_scale_is_the_dynamic_scale(dtype):
+@PAIRS
+def test_cuda_amax_scale_is_the_dynamic_scale(dtype, pair, monkeypatch):
     """The epilogue's amax fold over swap-AB tiles, the standard mapping, a K split (the
     reduce kernel's fold) and rows that no expert owns."""
+    use_pair(monkeypatch, pair)
     assert rule_k_splits("bf16" if dtype == "bf16" else "e4m3", 2, 2, 2048, 8208) > 1
     cases = [([3, 0, 5, 1], 2, 200, 512), ([1, 1], 0, 1024, 8208),
              ([300, 0, 129, 513], 3, 136, 512), ([0] * 63 + [9], 0, 256, 256)]
@@ -365,7 +381,9 @@ def test_cuda_programmatic_launch_changes_nothing(monkeypatch):
 @gpu
 @sm90
 @pytest.mark.parametrize("out_scale", [None, 0.02])
-def test_cuda_graph_replay_with_new_offsets(out_scale):
+@PAIRS
+def test_cuda_graph_replay_with_new_offsets(out_scale, pair, monkeypatch):
+    use_pair(monkeypatch, pair)
     dtype = "bf16" if out_scale is None else "fp8"
     replays = ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4], [600, 0, 0, 1])
     m = max(sum(r) for r in replays)

@@ -10,6 +10,10 @@ about u = ceil(N / 128) * max(A, ceil(m_total / tile)) full-K units, A = round(E
 1/E)^m_total)) the experts expected to have rows, which the persistent grid runs in
 ceil(u * s / sm_count) / s waves when each is cut s ways; from 2 waves of units up, no split;
 below, the fewest splits within 3% of the best s, capped at 8 and at one split per 32 k-tiles.
+Warpgroup pair (swap-AB token tiles 16 and 32): 64-row units, never split, u2 = ceil(N / 64) *
+max(A, token tiles) of them, taking ceil(u2 / sm_count) / 2 waves: chosen where u2 needs no
+split and those waves are no longer than the full units' with their split, when that split
+is more than one, or at least 10% shorter, when it is one; up to 24 stages.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ ELEMENT_BYTES = {"bf16": 2, "e4m3": 1}
 SMEM_MAX = 227 * 1024
 MAX_STAGES = 12
 H200_SMS = 132
+PAIR_TILES = (16, 32)   # swap-AB token tiles with a warpgroup pair
+PAIR_BLOCK_N = 64
+MAX_STAGES_PAIR = 24
 
 
 def expected_max_rows(m_total: int, num_experts: int) -> float:
@@ -52,8 +59,14 @@ def rule_token_tile(dtype: str, m_total: int, num_experts: int) -> int:
     return next(t for t in TILES[dtype] if rows <= t)
 
 
-def rule_block_n(dtype: str, m_total: int, num_experts: int) -> int:
-    return BLOCK_N if rule_swap_ab(dtype, m_total, num_experts) else STANDARD[dtype][0]
+def rule_block_n(dtype: str, m_total: int, num_experts: int, n: int | None = None,
+                 k: int | None = None, sm_count: int = H200_SMS) -> int:
+    """The weight tile: with n and k also the warpgroup pair's."""
+    if not rule_swap_ab(dtype, m_total, num_experts):
+        return STANDARD[dtype][0]
+    if n is not None and rule_pair(dtype, m_total, num_experts, n, k, sm_count):
+        return PAIR_BLOCK_N
+    return BLOCK_N
 
 
 def waves(units: int, splits: int, sm_count: int) -> Fraction:
@@ -67,17 +80,18 @@ def rule_active_experts(m_total: int, num_experts: int) -> int:
     return max(1, int(num_experts * (1 - (1 - 1 / num_experts) ** m_total) + 0.5))
 
 
-def rule_units(dtype: str, m_total: int, num_experts: int, n: int) -> int:
+def rule_token_tiles(dtype: str, m_total: int, num_experts: int) -> int:
     token_tiles = -(-m_total // rule_token_tile(dtype, m_total, num_experts))
-    return (-(-n // rule_block_n(dtype, m_total, num_experts))
-            * max(rule_active_experts(m_total, num_experts), token_tiles))
+    return max(rule_active_experts(m_total, num_experts), token_tiles)
 
 
-def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
-                  sm_count: int = H200_SMS) -> int:
-    """The K split the rule gives, computed independently of the header."""
-    units = rule_units(dtype, m_total, num_experts, n)
-    k_tiles = -(-k // BLOCK_K[dtype])
+def rule_units(dtype: str, m_total: int, num_experts: int, n: int) -> int:
+    """Full-K units of the 128-row (or standard) weight tile."""
+    return -(-n // rule_block_n(dtype, m_total, num_experts)) * rule_token_tiles(
+        dtype, m_total, num_experts)
+
+
+def split_rule(units: int, k_tiles: int, sm_count: int) -> int:
     cap = min(8, k_tiles // 32)
     if units <= 0 or units >= 2 * sm_count or cap <= 1:
         return 1
@@ -86,15 +100,43 @@ def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
                 if waves(units, s, sm_count) <= best * Fraction(103, 100))
 
 
-def rule_smem_bytes(dtype: str, block_n: int, block_t: int, stages: int) -> int:
+def rule_pair(dtype: str, m_total: int, num_experts: int, n: int, k: int,
+              sm_count: int = H200_SMS) -> bool:
+    """The warpgroup pair the rule gives, computed independently of the header."""
+    if (not rule_swap_ab(dtype, m_total, num_experts)
+            or rule_token_tile(dtype, m_total, num_experts) not in PAIR_TILES):
+        return False
+    units = rule_units(dtype, m_total, num_experts, n)
+    pair_units = -(-n // PAIR_BLOCK_N) * rule_token_tiles(dtype, m_total, num_experts)
+    k_tiles = -(-k // BLOCK_K[dtype])
+    if units <= 0 or pair_units <= 0 or split_rule(pair_units, k_tiles, sm_count) != 1:
+        return False
+    splits = split_rule(units, k_tiles, sm_count)
+    full = waves(units, splits, sm_count)
+    pair = Fraction(-(-pair_units // sm_count), 2)
+    return pair <= full if splits > 1 else pair <= full * Fraction(90, 100)
+
+
+def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
+                  sm_count: int = H200_SMS) -> int:
+    """The K split the rule gives, computed independently of the header."""
+    if rule_pair(dtype, m_total, num_experts, n, k, sm_count):
+        return 1
+    return split_rule(rule_units(dtype, m_total, num_experts, n), -(-k // BLOCK_K[dtype]),
+                      sm_count)
+
+
+def rule_smem_bytes(dtype: str, block_n: int, block_t: int, stages: int,
+                    pair: bool = False) -> int:
     """Two 1024-byte aligned rings (weights, tokens), the bf16 epilogue tile (block_t rows of
-    block_n + 8 elements), 2 mbarriers of 8 bytes per stage, the prefix table of 1024 + 1
-    ints."""
+    block_n + 8 elements; a pair's at least its block_n x block_t fp32 sums), 2 mbarriers of
+    8 bytes per stage, the prefix table of 1024 + 1 ints."""
     def align(x):
         return -(-x // 1024) * 1024
     per_row = BLOCK_K[dtype] * ELEMENT_BYTES[dtype]
+    epilogue = max(block_t * (block_n + 8) * 2, block_n * block_t * 4 if pair else 0)
     return align(align(stages * block_n * per_row) + align(stages * block_t * per_row)
-                 + block_t * (block_n + 8) * 2 + 16 * stages + (1024 + 1) * 4)
+                 + epilogue + 16 * stages + (1024 + 1) * 4)
 
 
 DRIVER = r"""
@@ -111,6 +153,8 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "tiles") == 0) {
     for (int t : kTokenTilesBf16) std::puts(swapab_config(GemmDtype::kBf16, t).to_string().c_str());
     for (int t : kTokenTilesE4m3) std::puts(swapab_config(GemmDtype::kE4m3, t).to_string().c_str());
+    for (int t : kPairTokenTiles) std::puts(swapab_pair_config(GemmDtype::kBf16, t).to_string().c_str());
+    for (int t : kPairTokenTiles) std::puts(swapab_pair_config(GemmDtype::kE4m3, t).to_string().c_str());
     std::puts(standard_config(GemmDtype::kBf16).to_string().c_str());
     std::puts(standard_config(GemmDtype::kE4m3).to_string().c_str());
     return 0;
@@ -188,7 +232,8 @@ def test_representative_points(driver):
         assert rule_swap_ab(dtype, m, e) == bool(swap), (dtype, m, e)
         assert cfg["block_t"] == want, f"{dtype} m_total={m} E={e}: {cfg}"
         assert cfg["swap_ab"] == swap, f"{dtype} m_total={m} E={e}: {cfg}"
-        assert cfg["block_n"] == rule_block_n(dtype, m, e), cfg
+        assert cfg["block_n"] == rule_block_n(dtype, m, e, 4096, 4096), cfg
+        assert cfg["pair"] == int(rule_pair(dtype, m, e, 4096, 4096)), cfg
         assert cfg["dtype"] == dtype
 
 
@@ -216,21 +261,22 @@ def test_matches_rule_and_is_monotonic(driver, dtype, num_experts):
     assert 0 in swaps, "the standard mapping is chosen somewhere"
 
 
-# (dtype, m_total, num_experts, n, k) -> K splits on 132 SMs.
+# (dtype, m_total, num_experts, n, k) -> K splits, warpgroup pair on 132 SMs.
 K_SPLIT_POINTS = [
-    ("bf16", 2, 8, 4096, 14336, 2),    # mixtral GEMM2 at one token: 2 experts x 32 tiles
-    ("e4m3", 2, 8, 4096, 14336, 2),
-    ("bf16", 8, 8, 4096, 14336, 4),    # at four tokens: 5 experts, 160 units, 1.25 waves
-    ("e4m3", 8, 8, 4096, 14336, 3),    # FP8: 112 k-tiles, at most 3 ways
-    ("bf16", 2, 8, 28672, 4096, 1),    # its GEMM1: 448 units, over 2 waves
-    ("bf16", 32, 8, 4096, 14336, 1),   # 256 units: over 2 waves
-    ("bf16", 8, 128, 1536, 2048, 1),   # qwen3_30b GEMM1 at one token: 32 k-tiles, one split
-    ("bf16", 2, 8, 512, 8192, 4),      # 8 units, 128 k-tiles: 4 ways
-    ("bf16", 2, 8, 512, 4104, 2),      # 65 k-tiles: 2 ways
-    ("e4m3", 1, 8, 1024, 640, 1),      # 5 k-tiles: too few to split
-    ("bf16", 0, 8, 4096, 14336, 1),    # no rows
-    ("bf16", 10000, 1, 128, 32768, 5), # one expert of 10000 rows: 79 units, 5 ways in 3 waves
-    ("bf16", 300, 1, 128, 4096, 2),    # 3 token tiles of 128, 64 k-tiles
+    ("bf16", 2, 8, 4096, 14336, 1, 1),   # mixtral GEMM2 at one token: 2 experts x 32 tiles
+    ("e4m3", 2, 8, 4096, 14336, 1, 1),   # (split 2 ways: 0.5 waves; 128 pairs: 0.5 unsplit)
+    ("bf16", 8, 8, 4096, 14336, 4, 0),   # at four tokens: 5 experts, 160 units, 1.25 waves
+    ("e4m3", 8, 8, 4096, 14336, 3, 0),   # FP8: 112 k-tiles, at most 3 ways (pairs: 1.5)
+    ("bf16", 2, 8, 28672, 4096, 1, 1),   # its GEMM1: 448 units, 4 waves; 896 pairs, 3.5
+    ("e4m3", 4, 8, 28672, 4096, 1, 0),   # at two tokens: 672 units, 6 waves; pairs 5.5
+    ("bf16", 32, 8, 4096, 14336, 1, 0),  # 256 units: 2 waves, and pairs too
+    ("bf16", 8, 128, 1536, 2048, 1, 0),  # qwen3_30b GEMM1 at one token: 32 k-tiles, one split
+    ("bf16", 2, 8, 512, 8192, 4, 0),     # 8 units, 128 k-tiles: 4 ways (pairs would split)
+    ("bf16", 2, 8, 512, 4104, 2, 0),     # 65 k-tiles: 2 ways
+    ("e4m3", 1, 8, 1024, 640, 1, 1),     # 5 k-tiles: too few to split; 16 pairs, 0.5 waves
+    ("bf16", 0, 8, 4096, 14336, 1, 0),   # no rows
+    ("bf16", 10000, 1, 128, 32768, 5, 0),  # one expert of 10000 rows: 79 units, 5 ways
+    ("bf16", 300, 1, 128, 4096, 2, 0),   # 3 token tiles of 128 (standard), 64 k-tiles
 ]
 
 
@@ -238,7 +284,10 @@ def test_k_split_points(driver):
     got = choose(driver, [q[:5] for q in K_SPLIT_POINTS])
     for q, cfg in zip(K_SPLIT_POINTS, got):
         assert rule_k_splits(*q[:5]) == q[5], q  # the table itself
+        assert int(rule_pair(*q[:5])) == q[6], q
         assert cfg["k_splits"] == q[5], f"{q}: {cfg}"
+        assert cfg["pair"] == q[6], f"{q}: {cfg}"
+        assert cfg["block_n"] == (PAIR_BLOCK_N if q[6] else rule_block_n(*q[:3])), cfg
 
 
 @pytest.mark.parametrize("sm_count", [78, 132])
@@ -249,9 +298,10 @@ def test_k_splits_match_rule(driver, sm_count):
     got = choose(driver, queries, sm_count)
     for q, cfg in zip(queries, got):
         assert cfg["k_splits"] == rule_k_splits(*q, sm_count=sm_count), f"{q}: {cfg}"
+        assert cfg["pair"] == int(rule_pair(*q, sm_count=sm_count)), f"{q}: {cfg}"
         assert cfg["block_t"] == rule_token_tile(*q[:3]), f"{q}: {cfg}"
         units = rule_units(*q[:4])
-        if 0 < units < 2 * sm_count:
+        if 0 < units < 2 * sm_count and not cfg["pair"]:
             s = cfg["k_splits"]
             assert all(waves(units, s, sm_count) <= waves(units, t, sm_count) * Fraction(103, 100)
                        for t in range(1, min(8, -(-q[4] // BLOCK_K[q[0]]) // 32) + 1)), \
@@ -260,25 +310,30 @@ def test_k_splits_match_rule(driver, sm_count):
 
 def test_candidate_configs_fit_shared_memory(driver):
     configs = tiles(driver)
-    assert [(c["dtype"], c["swap_ab"], c["block_n"], c["block_t"]) for c in configs] == \
-        [(d, 1, BLOCK_N, t) for d in ("bf16", "e4m3") for t in TILES[d]] + \
-        [(d, 0, *STANDARD[d]) for d in ("bf16", "e4m3")]
+    assert [(c["dtype"], c["swap_ab"], c["block_n"], c["block_t"], c["pair"])
+            for c in configs] == \
+        [(d, 1, BLOCK_N, t, 0) for d in ("bf16", "e4m3") for t in TILES[d]] + \
+        [(d, 1, PAIR_BLOCK_N, t, 1) for d in ("bf16", "e4m3") for t in PAIR_TILES] + \
+        [(d, 0, *STANDARD[d], 0) for d in ("bf16", "e4m3")]
     for c in configs:
-        d, n, t, s = c["dtype"], c["block_n"], c["block_t"], c["stages"]
+        d, n, t, s, pair = c["dtype"], c["block_n"], c["block_t"], c["stages"], bool(c["pair"])
+        cap = MAX_STAGES_PAIR if pair else MAX_STAGES
         assert c["block_k"] == BLOCK_K[d], c
         assert c["promote_interval"] == (0 if d == "bf16" else 4), c
-        assert c["smem_bytes"] == rule_smem_bytes(d, n, t, s), c
+        assert c["smem_bytes"] == rule_smem_bytes(d, n, t, s, pair), c
         assert c["smem_bytes"] <= SMEM_MAX, c
-        assert 2 <= s <= MAX_STAGES, c
-        assert s == MAX_STAGES or rule_smem_bytes(d, n, t, s + 1) > SMEM_MAX, \
+        assert 2 <= s <= cap, c
+        assert s == cap or rule_smem_bytes(d, n, t, s + 1, pair) > SMEM_MAX, \
             f"{c}: one more stage would still fit"
         assert t * BLOCK_K[d] * ELEMENT_BYTES[d] % 1024 == 0, "token slots stay 1024-byte aligned"
-        acc = n * t // 256 * (2 if d == "e4m3" else 1)
+        acc = n * t // (128 if pair else 256) * (2 if d == "e4m3" else 1)
         assert acc <= 128, f"{c}: {acc} accumulator registers per consumer thread"
-    stages = {(c["dtype"], c["swap_ab"], c["block_t"]): c["stages"] for c in configs}
-    assert stages == {("bf16", 1, 16): 12, ("bf16", 1, 32): 10, ("bf16", 1, 64): 8,
-                      ("bf16", 1, 128): 5, ("e4m3", 1, 16): 12, ("e4m3", 1, 32): 10,
-                      ("e4m3", 1, 64): 8, ("bf16", 0, 128): 3, ("e4m3", 0, 128): 5}
+    stages = {(c["dtype"], c["swap_ab"], c["pair"], c["block_t"]): c["stages"] for c in configs}
+    assert stages == {("bf16", 1, 0, 16): 12, ("bf16", 1, 0, 32): 10, ("bf16", 1, 0, 64): 8,
+                      ("bf16", 1, 0, 128): 5, ("e4m3", 1, 0, 16): 12, ("e4m3", 1, 0, 32): 10,
+                      ("e4m3", 1, 0, 64): 8, ("bf16", 0, 0, 128): 3, ("e4m3", 0, 0, 128): 5,
+                      ("bf16", 1, 1, 16): 21, ("bf16", 1, 1, 32): 17, ("e4m3", 1, 1, 16): 21,
+                      ("e4m3", 1, 1, 32): 17}
 
 
 def _generator():
@@ -293,9 +348,12 @@ def test_instantiations_cover_the_candidates(driver):
     """Every tile the heuristic can return has an instantiation and a dispatch case, and the
     committed csrc/instantiations/ is the generator's output."""
     gen = _generator()
-    header = {d: tuple(c["block_t"] for c in tiles(driver) if c["dtype"] == d and c["swap_ab"])
-              for d in TILES}
+    header = {d: tuple(c["block_t"] for c in tiles(driver)
+                       if c["dtype"] == d and c["swap_ab"] and not c["pair"]) for d in TILES}
     assert {d: tiles_ for d, (_, tiles_) in gen.TOKEN_TILES.items()} == header
+    for d in TILES:
+        assert tuple(c["block_t"] for c in tiles(driver)
+                     if c["dtype"] == d and c["pair"]) == gen.PAIR_TILES
     files = gen.render()
     on_disk = {p.name: p.read_text() for p in gen.OUT.glob("*.cu")}
     assert on_disk == files, "csrc/instantiations/ is stale: run tools/generate_instantiations.py"
@@ -306,3 +364,6 @@ def test_instantiations_cover_the_candidates(driver):
         for t in tiles_:
             assert f"moe_gemm_swapab_sm90<GemmDtype::{enum}, {t}>" in dispatch
             assert f"moe_gemm_swapab_sm90_{d}_t{t}.cu" in files
+        for t in gen.PAIR_TILES:
+            assert f"moe_gemm_swapab_pair_sm90<GemmDtype::{enum}, {t}>" in dispatch
+            assert f"moe_gemm_swapab_pair_sm90_{d}_t{t}.cu" in files

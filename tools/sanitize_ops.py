@@ -144,6 +144,17 @@ def main():
             gemm_ops([3, 0, 5, 2] * 6, 136, 272)
             print("ok grouped gemm, forced K split", splits)
         del os.environ["HOPPER_MOE_CUTE_K_SPLITS"]
+        # The warpgroup pair forced (swap-AB token tiles 16 and 32), unsplit and split 3 ways,
+        # with N and K tails and an odd number of k-tiles per unit.
+        os.environ["HOPPER_MOE_CUTE_PAIR"] = "1"
+        for counts, n, k in (([0, 5, 0, 3], 72, 176), ([10, 30, 0, 24], 128, 128),
+                             ([3, 0, 5, 2] * 6, 136, 400)):
+            gemm_ops(counts, n, k)
+            print("ok grouped gemm, forced pair", dict(experts=len(counts), n=n, k=k))
+        os.environ["HOPPER_MOE_CUTE_K_SPLITS"] = "3"
+        gemm_ops([3, 0, 5, 2] * 6, 136, 4112)
+        print("ok grouped gemm, forced pair, K split 3")
+        del os.environ["HOPPER_MOE_CUTE_K_SPLITS"], os.environ["HOPPER_MOE_CUTE_PAIR"]
         for T, E, K in ((1, 8, 2), (40, 16, 4)):
             x = randn(T, 256)
             w1, w2 = randn(E, 256, 256) / 16, randn(E, 256, 128) / 16

@@ -15,6 +15,23 @@ cudaError_t moe_gemm_sm90(const MoeGemmArgs& args, const heuristics::GroupedGemm
     }
     return cudaErrorInvalidValue;
   }
+  if (config.pair()) {
+    switch (config.dtype) {
+      case GemmDtype::kBf16:
+        switch (config.block_t) {
+          case 16: return moe_gemm_swapab_pair_sm90<GemmDtype::kBf16, 16>(args, stream);
+          case 32: return moe_gemm_swapab_pair_sm90<GemmDtype::kBf16, 32>(args, stream);
+        }
+        break;
+      case GemmDtype::kE4m3:
+        switch (config.block_t) {
+          case 16: return moe_gemm_swapab_pair_sm90<GemmDtype::kE4m3, 16>(args, stream);
+          case 32: return moe_gemm_swapab_pair_sm90<GemmDtype::kE4m3, 32>(args, stream);
+        }
+        break;
+    }
+    return cudaErrorInvalidValue;
+  }
   switch (config.dtype) {
     case GemmDtype::kBf16:
       switch (config.block_t) {

@@ -56,6 +56,23 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
         config.dtype, mapping == "swap_ab", a.size(0), int(b.size(0)), int(b.size(1)),
         int(a.size(1)), prop->multiProcessorCount);
   }
+  // HOPPER_MOE_CUTE_PAIR=0 gives the heuristic's config without the swap-AB warpgroup pair;
+  // =1 the pair wherever the launch has one (swap-AB with a token tile of
+  // heuristics::kPairTokenTiles), with the K split chosen for the 128-row units.
+  if (const char* env = std::getenv("HOPPER_MOE_CUTE_PAIR"); env != nullptr && *env) {
+    const std::string pair(env);
+    HM_CHECK(kOp, pair == "0" || pair == "1",
+             "HOPPER_MOE_CUTE_PAIR must be 0 or 1 (got '", pair, "')");
+    if (pair == "0") {  // the config the heuristic chooses without pairs
+      config = heuristics::grouped_gemm_config_sm90(
+          config.dtype, config.swap_ab, a.size(0), int(b.size(0)), int(b.size(1)),
+          int(a.size(1)), prop->multiProcessorCount, /*allow_pair=*/false);
+    } else if (!config.pair() && config.swap_ab && heuristics::has_pair_tile(config.block_t)) {
+      const int splits = config.k_splits;
+      config = heuristics::swapab_pair_config(config.dtype, config.block_t);
+      config.k_splits = splits;
+    }
+  }
   if (const char* env = std::getenv("HOPPER_MOE_CUTE_K_SPLITS"); env != nullptr && *env) {
     const int s = std::atoi(env);
     HM_CHECK(kOp, s >= 1 && s <= heuristics::kMaxKSplits,

@@ -35,6 +35,12 @@
 //     256 arrivals). FP8: the tensor core's accumulation is promoted into a separate fp32
 //     register accumulator every kPromoteInterval k-tiles (waiting for every batch there),
 //     bounding the error at large K.
+// Warpgroup pair (swap-AB, kBlockN = 64, heuristics::GroupedGemmConfig::pair()): a unit is 64
+//   weight rows, so a launch has twice the units of half the bytes and its last wave is
+//   shorter; both consumer warpgroups multiply the same 64-row tile, each over the k-tiles
+//   whose place in the CTA's sequence has its parity (a slot is consumed by one warpgroup:
+//   128 arrivals on empty[s]), and in the epilogue the second hands its fp32 sums to the
+//   first through the epilogue tile. The slots are half the size and up to 24 deep.
 // Slots hold the A tile (128 x kBlockK: weights for swap-AB, tokens for standard) and the B
 // tile (the other operand), both K-major with the 128-byte swizzle wgmma reads. Out-of-range
 // rows and K columns are zero-filled by TMA; rows that belong to the next expert or lie past N
@@ -83,9 +89,13 @@ namespace hopper_moe::gemm {
 template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval>
 struct MoeGemmConfig {
+  // Warpgroup pair: swap-AB with a 64-row weight tile that both consumer warpgroups multiply,
+  // each over every other k-tile of the unit (heuristics::GroupedGemmConfig::pair()).
+  static constexpr bool kPair = kSwapAB && kBlockN == heuristics::kPairBlockN;
   static constexpr int kTileA = kSwapAB ? kBlockN : kBlockT;  // wgmma M: 64 per warpgroup
   static constexpr int kTileB = kSwapAB ? kBlockT : kBlockN;  // wgmma N
-  static_assert(kTileA == 128, "the A tile is one 64-row wgmma per consumer warpgroup");
+  static_assert(kTileA == (kPair ? 64 : 128),
+                "the A tile is one 64-row wgmma per consumer warpgroup (a pair: one for both)");
   static_assert(kTileB % 16 == 0 && kTileB >= 16 && kTileB <= 256,
                 "the B side is a wgmma N: a multiple of 16 (whole epilogue vectors) <= 256");
   static_assert(kBlockN % 8 == 0, "epilogue rows are whole 16-byte vectors");
@@ -117,28 +127,35 @@ struct MoeGemmConfig {
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float, AtomShape,
                                                       cute::GMMA::Major::K,
                                                       cute::GMMA::Major::K>());
-  // Two consumer warpgroups stacked along the A tile's rows: 64 rows each.
+  // Two consumer warpgroups stacked along the A tile's rows, 64 rows each; a pair's
+  // warpgroups each run the whole 64-row tile (one warpgroup's MMA, on alternate slots).
+  static constexpr int kMmaWarpgroups = kPair ? 1 : 2;
   using TiledMma = decltype(cute::make_tiled_mma(
-      MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+      MmaAtom{}, cute::Layout<cute::Shape<cute::Int<kMmaWarpgroups>, cute::_1, cute::_1>>{}));
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
+  static constexpr int kMmaThreads = 128 * kMmaWarpgroups;  // threads of one slot's wgmma
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536,
                 "the register split fits the SM's 64K registers");
-  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two warpgroups issue the wgmma");
-  static_assert(kTileA * kTileB / kConsumerThreads * (kPromoteInterval > 0 ? 2 : 1) <= 128,
+  static_assert(cute::size(TiledMma{}) == kMmaThreads, "the warpgroups of one slot's wgmma");
+  static_assert(kTileA * kTileB / kMmaThreads * (kPromoteInterval > 0 ? 2 : 1) <= 128,
                 "the fp32 accumulators (two with FP8 promotion) leave registers for the rest "
                 "of the consumer: larger tiles spill");
   static constexpr int kEpilogueLd = kBlockN + heuristics::kEpiloguePad;  // bf16 elements
+  // The epilogue tile, bf16 elements: the staged [kBlockT][kEpilogueLd] tile, and for a pair
+  // first the second warpgroup's fp32 sums (heuristics::epilogue_bytes).
+  static constexpr int kEpilogueElems =
+      heuristics::epilogue_bytes(kPair, kBlockN, kBlockT) / int(sizeof(cutlass::bfloat16_t));
 
   // 128-byte-swizzled tiles repeat every 1024 bytes: TMA writes and wgmma descriptors (base
   // offset 0) agree only on 1024-byte aligned tiles.
   struct SharedStorage {
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::ArrayEngine<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(16) cutlass::bfloat16_t c[kBlockT * kEpilogueLd];
+    alignas(16) cutlass::bfloat16_t c[kEpilogueElems];
     alignas(8) uint64_t full[kStages];
     alignas(8) uint64_t empty[kStages];
     int tile_prefix[heuristics::kMaxExperts + 1];  // token tiles of the experts before e
@@ -325,7 +342,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   if (warp == 0 && cute::elect_one_sync()) {
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&smem.full[s], 1);
-      EmptyBarrier::init(&smem.empty[s], Config::kConsumerThreads);
+      EmptyBarrier::init(&smem.empty[s], Config::kMmaThreads);  // the slot's consumers
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -456,8 +473,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // The tokens arrive after the producer's wait; the scales and the outputs are touched here.
   pdl::wait_for_prerequisites();
   const int ct = int(threadIdx.x) - Config::kProducerThreads;  // 0..255
+  [[maybe_unused]] const int wg = ct / 128;                    // consumer warpgroup
   typename Config::TiledMma mma;
-  ThrMMA thr_mma = mma.get_thread_slice(ct);
+  ThrMMA thr_mma = mma.get_thread_slice(Config::kPair ? ct % 128 : ct);
   Tensor tCsA = thr_mma.partition_A(sA);                  // (MMA,MMA_M,MMA_K,PIPE)
   Tensor tCsB = thr_mma.partition_B(sB);                  // (MMA,MMA_N,MMA_K,PIPE)
   Tensor tCrA = thr_mma.make_fragment_A(tCsA);            // wgmma descriptors
@@ -478,6 +496,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   constexpr int kEpiBarrier = 1;  // named barrier of the 256 consumer threads (0 is syncthreads)
 
   cutlass::PipelineState<kStages> read;  // (slot 0, phase 0)
+  // A pair's warpgroup wg takes the k-tiles whose place in the CTA's sequence (over all of
+  // its units) has parity wg, and steps over the other's slots.
+  [[maybe_unused]] int64_t seq = 0;
   HM_TIMELINE(uint64_t tl_first = 0; uint64_t tl_unit[kTimelineUnits] = {}; int tl_units = 0;)
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
     HM_TIMELINE(if (tl_units < kTimelineUnits) tl_unit[tl_units] = timeline_now(); ++tl_units;)
@@ -486,11 +507,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     clear(acc);
     if constexpr (kPromoteInterval > 0) clear(total);
 
-    // One wgmma batch in flight: after issuing k-tile kt, wait for kt - 1's batch and free its
-    // slot (in_flight); at an FP8 promotion, wait for both and free both.
+    // One wgmma batch in flight: after issuing k-tile kt, wait for the previous one's batch
+    // and free its slot (in_flight); at an FP8 promotion, wait for both and free both.
     int in_flight = -1;
-    for (int kt = u.kt_begin; kt < u.kt_end; ++kt) {
+    int own = 0;  // k-tiles of the unit this warpgroup has issued
+    constexpr int kStep = Config::kPair ? 2 : 1;  // from one of its k-tiles to the next
+    for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++seq) {
       const int s = read.index();
+      if constexpr (Config::kPair) {
+        if (int(seq % 2) != wg) {
+          ++read;
+          continue;
+        }
+      }
       FullBarrier::wait(&smem.full[s], read.phase());
       HM_TIMELINE(if (tl_first == 0) tl_first = timeline_now();)
       warpgroup_fence_operand(acc);
@@ -498,9 +527,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);
       warpgroup_commit_batch();
       ++read;
+      ++own;
       bool promote = false;
       if constexpr (kPromoteInterval > 0) {
-        promote = (kt - u.kt_begin + 1) % kPromoteInterval == 0 || kt + 1 == u.kt_end;
+        promote = own % kPromoteInterval == 0 || kt + kStep >= u.kt_end;
       }
       if (promote) {
         warpgroup_wait<0>();
@@ -526,6 +556,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if constexpr (kPromoteInterval == 0) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc); ++i) total(i) = acc(i);
+    }
+    // A pair adds the second warpgroup's sums into the first's through the epilogue tile (in
+    // the fragment order both share); from here on the first warpgroup holds the unit's tile.
+    // The first barrier keeps these writes behind the previous unit's reads of c.
+    const bool holds_tile = !Config::kPair || wg == 0;
+    if constexpr (Config::kPair) {
+      float* sums = reinterpret_cast<float*>(smem.c);
+      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
+      if (wg == 1) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(total); ++i) sums[i * 128 + ct - 128] = total(i);
+      }
+      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
+      if (wg == 0) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(total); ++i) total(i) += sums[i * 128 + ct];
+      }
     }
 
     // Element (n, t) of the tile is weight row w_row(n) of the expert and token row t0 + t.
@@ -556,7 +603,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       for (int i = 0; i < size(total); ++i) {
         const TileCoord c = tile_nt(i);
         const int t = u.t0 + c.t;
-        if (col_valid(c.n) && t < u.rows) {
+        if (holds_tile && col_valid(c.n) && t < u.rows) {
           const int64_t row = u.row_begin + t;
           const int wr = w_row(c.n);
           partial[row * p.n + wr] = scaled(i, wr, row);
@@ -565,16 +612,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       continue;
     }
     // Staged: registers -> shared tile c[t][n] (bf16) -> row stores of 8 columns. The first
-    // barrier keeps this unit's writes behind the previous unit's reads of c.
+    // barrier keeps this unit's writes behind the previous unit's reads of c (a pair's: behind
+    // the first warpgroup's reads of the sums).
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
-    CUTE_UNROLL
-    for (int i = 0; i < size(total); ++i) {
-      const TileCoord c = tile_nt(i);
-      const int nl = c.n, tl = c.t;
-      const int t = u.t0 + tl;
-      const bool valid = col_valid(nl) && t < u.rows;
-      smem.c[tl * Config::kEpilogueLd + nl] =
-          cutlass::bfloat16_t(valid ? scaled(i, w_row(nl), u.row_begin + t) : 0.0f);
+    if (holds_tile) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(total); ++i) {
+        const TileCoord c = tile_nt(i);
+        const int nl = c.n, tl = c.t;
+        const int t = u.t0 + tl;
+        const bool valid = col_valid(nl) && t < u.rows;
+        smem.c[tl * Config::kEpilogueLd + nl] =
+            cutlass::bfloat16_t(valid ? scaled(i, w_row(nl), u.row_begin + t) : 0.0f);
+      }
     }
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
     if (!p.silu_mul) {
@@ -777,12 +827,20 @@ cudaError_t launch_config_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
 // csrc/instantiations/).
 template <heuristics::GemmDtype kDtype, int kBlockT>
 inline constexpr heuristics::GroupedGemmConfig kSwapAbConfig = heuristics::swapab_config(kDtype, kBlockT);
+template <heuristics::GemmDtype kDtype, int kBlockT>
+inline constexpr heuristics::GroupedGemmConfig kSwapAbPairConfig =
+    heuristics::swapab_pair_config(kDtype, kBlockT);
 template <heuristics::GemmDtype kDtype>
 inline constexpr heuristics::GroupedGemmConfig kStandardConfig = heuristics::standard_config(kDtype);
 
 template <heuristics::GemmDtype kDtype, int kBlockT>
 cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
   return launch_config_sm90<kDtype, kSwapAbConfig<kDtype, kBlockT>>(args, stream);
+}
+
+template <heuristics::GemmDtype kDtype, int kBlockT>
+cudaError_t moe_gemm_swapab_pair_sm90(const MoeGemmArgs& args, cudaStream_t stream) {
+  return launch_config_sm90<kDtype, kSwapAbPairConfig<kDtype, kBlockT>>(args, stream);
 }
 
 template <heuristics::GemmDtype kDtype>

@@ -74,11 +74,13 @@ struct MoeGemmArgs {
 cudaError_t moe_gemm_sm90(const MoeGemmArgs& args, const heuristics::GroupedGemmConfig& config,
                           cudaStream_t stream);
 
-// Swap-AB with one token tile of heuristics::kTokenTilesBf16 / kTokenTilesE4m3, and the
-// standard mapping, per dtype: explicitly instantiated in csrc/instantiations/ (defined in
+// Swap-AB with one token tile of heuristics::kTokenTilesBf16 / kTokenTilesE4m3, its warpgroup
+// pair with one of heuristics::kPairTokenTiles, and the standard mapping, per dtype: explicitly instantiated in csrc/instantiations/ (defined in
 // kernel_moe_gemm_sm90.cuh).
 template <heuristics::GemmDtype kDtype, int kBlockT>
 cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream);
+template <heuristics::GemmDtype kDtype, int kBlockT>
+cudaError_t moe_gemm_swapab_pair_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 template <heuristics::GemmDtype kDtype>
 cudaError_t moe_gemm_standard_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 

@@ -33,6 +33,9 @@
 // up; below, the fewest splits within 3% of the best s <= kMaxKSplits, keeping >=
 // kMinKTilesPerSplit k-tiles (4 KB of each weight row) per split: below that the reduction
 // launch costs more than the waves save (qwen3_30b, K = 2048: 24.3 us unsplit, 26.9 in 2).
+// Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, where their
+// waves replace a K split at no loss or cut an unsplit launch's waves by kPairMinGainPct
+// (use_warpgroup_pair; benchmarks/NOTES.md, v20).
 #pragma once
 
 #include <cmath>
@@ -52,8 +55,14 @@ inline const char* to_string(GemmDtype dtype) {
 inline constexpr int kTokenTilesBf16[] = {16, 32, 64, 128};
 inline constexpr int kTokenTilesE4m3[] = {16, 32, 64};
 
+// Token tiles with a warpgroup-pair instantiation (swap-AB, kPairBlockN weight rows per unit).
+inline constexpr int kPairTokenTiles[] = {16, 32};
+
 inline constexpr int kSmemBytesMax = 227 * 1024;  // dynamic shared memory of one SM90 CTA
 inline constexpr int kMaxStages = 12;
+inline constexpr int kMaxStagesPair = 24;  // half-size slots: the same bytes in flight
+inline constexpr int kPairBlockN = 64;     // weight rows of a warpgroup-pair unit
+inline constexpr int kPairMinGainPct = 10; // the pair's modeled waves must be this much shorter
 inline constexpr int kMaxKSplits = 8;
 inline constexpr int kMinKTilesPerSplit = 32;
 inline constexpr int kKSplitMaxWaves = 2;  // launches with more units never split
@@ -70,12 +79,16 @@ struct GroupedGemmConfig {
   int smem_bytes = 0;
   int k_splits = 1;          // K ranges per CTA's work (a launch-time choice, not a template)
   bool swap_ab = true;       // weights on wgmma's A side (else the tokens)
+  // Swap-AB with block_n = kPairBlockN: the two consumer warpgroups share one 64-row weight
+  // tile and take alternate k-tiles, adding their sums in the epilogue (warpgroup_pair()).
+  constexpr bool pair() const { return swap_ab && block_n == kPairBlockN; }
 
   std::string to_string() const {
     return std::string("grouped_gemm_sm90 ") + heuristics::to_string(dtype) +
            " swap_ab=" + std::to_string(int(swap_ab)) + " block_n=" + std::to_string(block_n) + " block_t=" + std::to_string(block_t) +
            " block_k=" + std::to_string(block_k) + " stages=" + std::to_string(stages) +
            " promote_interval=" + std::to_string(promote_interval) +
+           " pair=" + std::to_string(int(pair())) +
            " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits);
   }
 };
@@ -89,12 +102,19 @@ constexpr int element_bytes(GemmDtype dtype) { return dtype == GemmDtype::kBf16 
 // sizeof(SharedStorage).
 inline constexpr int kMaxExperts = 1024;   // the prefix table's capacity (the op checks E)
 inline constexpr int kEpiloguePad = 8;     // bf16 elements after each epilogue row: 16 bytes
-constexpr int gemm_smem_bytes(GemmDtype dtype, int block_n, int block_t, int block_k,
-                              int stages) {
+// A warpgroup pair's epilogue tile also holds the second warpgroup's fp32 sums (64 x block_t)
+// before the first adds them, so it is the larger of the two.
+constexpr int epilogue_bytes(bool pair, int block_n, int block_t) {
+  const int staged = block_t * (block_n + kEpiloguePad) * 2;
+  const int sums = pair ? block_n * block_t * 4 : 0;
+  return staged > sums ? staged : sums;
+}
+constexpr int gemm_smem_bytes(GemmDtype dtype, bool pair, int block_n, int block_t,
+                              int block_k, int stages) {
   const auto align = [](int bytes) { return (bytes + 1023) / 1024 * 1024; };
   const int w = align(stages * block_n * block_k * element_bytes(dtype));
   const int x = align(stages * block_t * block_k * element_bytes(dtype));
-  const int c = block_t * (block_n + kEpiloguePad) * 2;
+  const int c = epilogue_bytes(pair, block_n, block_t);
   return align(w + x + c + 2 * stages * 8 + (kMaxExperts + 1) * 4);
 }
 
@@ -108,18 +128,32 @@ constexpr GroupedGemmConfig gemm_config(GemmDtype dtype, bool swap_ab, int block
   c.block_t = block_t;
   c.block_k = 128 / element_bytes(dtype);
   c.promote_interval = dtype == GemmDtype::kBf16 ? 0 : 4;  // every 512 of K
-  c.stages = kMaxStages;
-  while (c.stages > 2 &&
-         gemm_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages) > kSmemBytesMax) {
+  const bool pair = c.pair();
+  c.stages = pair ? kMaxStagesPair : kMaxStages;
+  while (c.stages > 2 && gemm_smem_bytes(dtype, pair, c.block_n, block_t, c.block_k,
+                                         c.stages) > kSmemBytesMax) {
     --c.stages;
   }
-  c.smem_bytes = gemm_smem_bytes(dtype, c.block_n, block_t, c.block_k, c.stages);
+  c.smem_bytes = gemm_smem_bytes(dtype, pair, c.block_n, block_t, c.block_k, c.stages);
   return c;
 }
 
 // Swap-AB with a token tile of kTokenTilesBf16 / kTokenTilesE4m3.
 constexpr GroupedGemmConfig swapab_config(GemmDtype dtype, int block_t) {
   return gemm_config(dtype, true, 128, block_t);
+}
+
+// Swap-AB with a warpgroup pair (kPairBlockN weight rows) and a token tile of
+// kPairTokenTiles.
+constexpr GroupedGemmConfig swapab_pair_config(GemmDtype dtype, int block_t) {
+  return gemm_config(dtype, true, kPairBlockN, block_t);
+}
+
+inline bool has_pair_tile(int block_t) {
+  for (int t : kPairTokenTiles) {
+    if (t == block_t) return true;
+  }
+  return false;
 }
 
 // The standard mapping: 128 token rows x 256 (bf16) or 128 (FP8, whose promoted accumulator
@@ -166,6 +200,23 @@ inline int choose_k_splits(int64_t units, int k_tiles, int sm_count) {
   return 1;  // not reached: the best count is within its own slack
 }
 
+// Warpgroup pairs (kPairBlockN-row units, half the bytes of a 128-row one) for a launch of
+// about `units` full-K 128-row units and `pair_units` pair units, which a pair never splits:
+// where the full units' best K split (choose_k_splits) is needed, when the unsplit pairs'
+// waves (half units) are no longer, so the reduction goes away (mixtral GEMM2 at one token:
+// 64 units split 2 ways, 0.5 waves; 128 pair units, 0.5); unsplit, when the pairs' waves are
+// at least kPairMinGainPct shorter, which is the last partial wave of few large units
+// (mixtral GEMM1 at one token: 448 units, 4 waves; 896 pair units, 3.5).
+inline bool use_warpgroup_pair(int64_t units, int64_t pair_units, int k_tiles, int sm_count) {
+  if (units <= 0 || pair_units <= 0 || sm_count <= 0) return false;
+  if (choose_k_splits(pair_units, k_tiles, sm_count) != 1) return false;
+  const int splits = choose_k_splits(units, k_tiles, sm_count);
+  const Waves full = k_split_waves(units, splits, sm_count);  // in full units
+  const int64_t pair = k_split_waves(pair_units, 1, sm_count).num;  // in half units
+  if (splits > 1) return pair * full.den <= 2 * full.num;
+  return 100 * pair * full.den <= 2 * (100 - kPairMinGainPct) * full.num;
+}
+
 // Experts expected to have rows when m_total rows are routed uniformly over num_experts:
 // E (1 - (1 - 1/E)^m_total), rounded to the nearest whole expert.
 inline int64_t expected_active_experts(int64_t m_total, int num_experts) {
@@ -182,7 +233,7 @@ inline int64_t expected_active_experts(int64_t m_total, int num_experts) {
 // weights again. They, and the GPU's SM count, decide the K split.
 inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
                                                   int64_t m_total, int num_experts, int n,
-                                                  int k, int sm_count) {
+                                                  int k, int sm_count, bool allow_pair = true) {
   GroupedGemmConfig c;
   if (swap_ab) {
     const double rows = expected_max_rows(m_total, num_experts);
@@ -202,9 +253,18 @@ inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
   }
   const int64_t active_experts = expected_active_experts(m_total, num_experts);
   const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
-  const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) *
-                        (active_experts > min_token_tiles ? active_experts : min_token_tiles);
-  c.k_splits = choose_k_splits(units, (k + c.block_k - 1) / c.block_k, sm_count);
+  const int64_t token_tiles =
+      active_experts > min_token_tiles ? active_experts : min_token_tiles;
+  const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) * token_tiles;
+  const int k_tiles = (k + c.block_k - 1) / c.block_k;
+  if (allow_pair && swap_ab && has_pair_tile(c.block_t)) {
+    const int64_t pair_units = int64_t((n + kPairBlockN - 1) / kPairBlockN) * token_tiles;
+    if (use_warpgroup_pair(units, pair_units, k_tiles, sm_count)) {
+      c = swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
+      return c;
+    }
+  }
+  c.k_splits = choose_k_splits(units, k_tiles, sm_count);
   return c;
 }
 
