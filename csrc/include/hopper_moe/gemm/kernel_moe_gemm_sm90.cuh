@@ -510,8 +510,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // One wgmma batch in flight: after issuing k-tile kt, wait for the previous one's batch
     // and free its slot (in_flight); at an FP8 promotion, wait for both and free both.
     int in_flight = -1;
-    int own = 0;  // k-tiles of the unit this warpgroup has issued
-    constexpr int kStep = Config::kPair ? 2 : 1;  // from one of its k-tiles to the next
+    [[maybe_unused]] int own = 0;  // a pair: k-tiles of the unit this warpgroup has issued
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++seq) {
       const int s = read.index();
       if constexpr (Config::kPair) {
@@ -527,10 +526,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);
       warpgroup_commit_batch();
       ++read;
-      ++own;
       bool promote = false;
-      if constexpr (kPromoteInterval > 0) {
-        promote = own % kPromoteInterval == 0 || kt + kStep >= u.kt_end;
+      if constexpr (kPromoteInterval > 0 && Config::kPair) {  // its next k-tile is kt + 2
+        promote = ++own % kPromoteInterval == 0 || kt + 2 >= u.kt_end;
+      } else if constexpr (kPromoteInterval > 0) {
+        promote = (kt - u.kt_begin + 1) % kPromoteInterval == 0 || kt + 1 == u.kt_end;
       }
       if (promote) {
         warpgroup_wait<0>();
