@@ -11,9 +11,9 @@ about u = ceil(N / 128) * max(A, ceil(m_total / tile)) full-K units, A = round(E
 ceil(u * s / sm_count) / s waves when each is cut s ways; from 2 waves of units up, no split;
 below, the fewest splits within 3% of the best s, capped at 8 and at one split per 32 k-tiles.
 Warpgroup pair (swap-AB token tiles 16 and 32): 64-row units, never split, u2 = ceil(N / 64) *
-max(A, token tiles) of them, taking ceil(u2 / sm_count) / 2 waves: chosen where u2 needs no
-split and those waves are no longer than the full units' with their split, when that split
-is more than one, or at least 10% shorter, when it is one; up to 24 stages.
+max(A, token tiles) of them, taking ceil(u2 / sm_count) / 2 waves: chosen only where the full
+units need a K split, u2 needs none, and those waves are no longer than the full units' with
+their split; up to 24 stages.
 """
 from __future__ import annotations
 
@@ -112,15 +112,15 @@ def rule_pair(dtype: str, m_total: int, num_experts: int, n: int, k: int,
     if units <= 0 or pair_units <= 0 or split_rule(pair_units, k_tiles, sm_count) != 1:
         return False
     splits = split_rule(units, k_tiles, sm_count)
-    full = waves(units, splits, sm_count)
-    pair = Fraction(-(-pair_units // sm_count), 2)
-    return pair <= full if splits > 1 else pair <= full * Fraction(90, 100)
+    return splits > 1 and Fraction(-(-pair_units // sm_count), 2) <= waves(units, splits,
+                                                                            sm_count)
 
 
 def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
-                  sm_count: int = H200_SMS) -> int:
-    """The K split the rule gives, computed independently of the header."""
-    if rule_pair(dtype, m_total, num_experts, n, k, sm_count):
+                  sm_count: int = H200_SMS, allow_pair: bool = True) -> int:
+    """The K split the rule gives, computed independently of the header (allow_pair=False:
+    the rule without warpgroup pairs, HOPPER_MOE_CUTE_PAIR=0)."""
+    if allow_pair and rule_pair(dtype, m_total, num_experts, n, k, sm_count):
         return 1
     return split_rule(rule_units(dtype, m_total, num_experts, n), -(-k // BLOCK_K[dtype]),
                       sm_count)
@@ -267,13 +267,13 @@ K_SPLIT_POINTS = [
     ("e4m3", 2, 8, 4096, 14336, 1, 1),   # (split 2 ways: 0.5 waves; 128 pairs: 0.5 unsplit)
     ("bf16", 8, 8, 4096, 14336, 4, 0),   # at four tokens: 5 experts, 160 units, 1.25 waves
     ("e4m3", 8, 8, 4096, 14336, 3, 0),   # FP8: 112 k-tiles, at most 3 ways (pairs: 1.5)
-    ("bf16", 2, 8, 28672, 4096, 1, 1),   # its GEMM1: 448 units, 4 waves; 896 pairs, 3.5
+    ("bf16", 2, 8, 28672, 4096, 1, 0),   # its GEMM1: 448 units, 4 waves, unsplit: no pair
     ("e4m3", 4, 8, 28672, 4096, 1, 0),   # at two tokens: 672 units, 6 waves; pairs 5.5
     ("bf16", 32, 8, 4096, 14336, 1, 0),  # 256 units: 2 waves, and pairs too
     ("bf16", 8, 128, 1536, 2048, 1, 0),  # qwen3_30b GEMM1 at one token: 32 k-tiles, one split
     ("bf16", 2, 8, 512, 8192, 4, 0),     # 8 units, 128 k-tiles: 4 ways (pairs would split)
     ("bf16", 2, 8, 512, 4104, 2, 0),     # 65 k-tiles: 2 ways
-    ("e4m3", 1, 8, 1024, 640, 1, 1),     # 5 k-tiles: too few to split; 16 pairs, 0.5 waves
+    ("e4m3", 1, 8, 1024, 640, 1, 0),     # 5 k-tiles: too few to split, so no pair either
     ("bf16", 0, 8, 4096, 14336, 1, 0),   # no rows
     ("bf16", 10000, 1, 128, 32768, 5, 0),  # one expert of 10000 rows: 79 units, 5 ways
     ("bf16", 300, 1, 128, 4096, 2, 0),   # 3 token tiles of 128 (standard), 64 k-tiles

@@ -33,9 +33,9 @@
 // up; below, the fewest splits within 3% of the best s <= kMaxKSplits, keeping >=
 // kMinKTilesPerSplit k-tiles (4 KB of each weight row) per split: below that the reduction
 // launch costs more than the waves save (qwen3_30b, K = 2048: 24.3 us unsplit, 26.9 in 2).
-// Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, where their
-// waves replace a K split at no loss or cut an unsplit launch's waves by kPairMinGainPct
-// (use_warpgroup_pair; benchmarks/NOTES.md, v20).
+// Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, only where
+// their waves replace a K split at no loss (use_warpgroup_pair; benchmarks/NOTES.md, v20 and
+// v21: pairs of an unsplit launch with a short last wave lost in FP8).
 #pragma once
 
 #include <cmath>
@@ -62,7 +62,6 @@ inline constexpr int kSmemBytesMax = 227 * 1024;  // dynamic shared memory of on
 inline constexpr int kMaxStages = 12;
 inline constexpr int kMaxStagesPair = 24;  // half-size slots: the same bytes in flight
 inline constexpr int kPairBlockN = 64;     // weight rows of a warpgroup-pair unit
-inline constexpr int kPairMinGainPct = 10; // the pair's modeled waves must be this much shorter
 inline constexpr int kMaxKSplits = 8;
 inline constexpr int kMinKTilesPerSplit = 32;
 inline constexpr int kKSplitMaxWaves = 2;  // launches with more units never split
@@ -202,19 +201,19 @@ inline int choose_k_splits(int64_t units, int k_tiles, int sm_count) {
 
 // Warpgroup pairs (kPairBlockN-row units, half the bytes of a 128-row one) for a launch of
 // about `units` full-K 128-row units and `pair_units` pair units, which a pair never splits:
-// where the full units' best K split (choose_k_splits) is needed, when the unsplit pairs'
+// only where the full units' best K split (choose_k_splits) is needed and the unsplit pairs'
 // waves (half units) are no longer, so the reduction goes away (mixtral GEMM2 at one token:
-// 64 units split 2 ways, 0.5 waves; 128 pair units, 0.5); unsplit, when the pairs' waves are
-// at least kPairMinGainPct shorter, which is the last partial wave of few large units
-// (mixtral GEMM1 at one token: 448 units, 4 waves; 896 pair units, 3.5).
+// 64 units split 2 ways, 0.5 waves; 128 pair units, 0.5). Not for an unsplit launch whose
+// last wave is short (mixtral GEMM1 at one token: 448 units, 4 waves; 896 pairs, 3.5): its
+// free SMs already run the next launch's prefetch, and the pairs lost 1 us there in FP8.
 inline bool use_warpgroup_pair(int64_t units, int64_t pair_units, int k_tiles, int sm_count) {
   if (units <= 0 || pair_units <= 0 || sm_count <= 0) return false;
   if (choose_k_splits(pair_units, k_tiles, sm_count) != 1) return false;
   const int splits = choose_k_splits(units, k_tiles, sm_count);
+  if (splits <= 1) return false;
   const Waves full = k_split_waves(units, splits, sm_count);  // in full units
   const int64_t pair = k_split_waves(pair_units, 1, sm_count).num;  // in half units
-  if (splits > 1) return pair * full.den <= 2 * full.num;
-  return 100 * pair * full.den <= 2 * (100 - kPairMinGainPct) * full.num;
+  return pair * full.den <= 2 * full.num;
 }
 
 // Experts expected to have rows when m_total rows are routed uniformly over num_experts:
