@@ -31,6 +31,9 @@ import common as C  # noqa: E402
 
 BASELINE = "torch"
 CANDIDATE_BACKENDS = ["torch", "triton", "cute", "auto"]
+# --gemm-only --backends ...,read: the pure weight read timed as the GEMM rows
+# (read_control.py); a control, never a row's best.
+READ_CONTROL = "read"
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
 
@@ -125,6 +128,9 @@ class Lib:
         (bf16, torch backend) and torch.ops.hopper_moe.cutlass_moe_mm (fp8 per-tensor /
         per-channel, cute backend)."""
         device = x.device
+        if backend == READ_CONTROL:
+            import read_control
+            return read_control.gemm_only_read(x, w1, w2, ti)
         hook = getattr(self.module("fused_moe"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
             try:
@@ -232,8 +238,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of " + ",".join(C.SCHEMES) + " (default bf16,fp8_tensor; "
                         "fp8_block runs only where H and I are multiples of 128)")
     p.add_argument("--backends", default=None,
-                   help="comma list of torch,triton,cute,auto,reference (default: every "
-                        "available backend; reference, the fp32 check, only when named)")
+                   help="comma list of torch,triton,cute,auto,reference,read (default: every "
+                        "available backend; reference, the fp32 check, only when named; read, "
+                        "with --gemm-only: a kernel that only reads the GEMMs' weights, "
+                        "read_control.py)")
     p.add_argument("--gemm-only", action="store_true",
                    help="time only GEMM1 + GEMM2 where a backend exposes them")
     p.add_argument("--zipf", type=float, nargs="?", const=1.2, default=0.0,
@@ -397,7 +405,8 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
         by = keyed[k]
         any_r = next(iter(by.values()))
         cells = [k[0], k[1], str(k[2]), C.fmt(any_r["floor_us"])]
-        timed = {b: r for b, r in by.items() if r.get("us") and b != "reference"}
+        timed = {b: r for b, r in by.items()
+                 if r.get("us") and b not in ("reference", READ_CONTROL)}
         for b in backends:
             r = by.get(b)
             if r is None:
@@ -534,6 +543,8 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
     with gemm_only) and how it runs; (None, why not) when GEMM-only is not possible."""
     if gemm_only:
         return lib.gemm_only(backend, scheme, x, w1, w2, tw, ti, quant)
+    if backend == READ_CONTROL:
+        return None, "the read control runs with --gemm-only only"
 
     def fn():
         return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)
@@ -596,7 +607,8 @@ def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, sc
         fn, how = row_fn(lib, b, scheme, x, tw, ti, args.gemm_only, w1q, w2q, quant)
         if fn is None:
             row = build_row(shape, scheme, m, b, None, flops, nbytes, floor, bound,
-                            touched, None, error="GEMM-only not possible: " + how, **ev)
+                            touched, None, error="GEMM-only not possible: " + how
+                            if args.gemm_only else how, **ev)
             out_rows.append(row)
             continue
         try:
@@ -637,6 +649,11 @@ def run_m(args, lib: Lib, device, ceil: C.Ceilings, evict, shape: C.MoEShape, sc
     return out_rows
 
 
+def read_control_note() -> str:
+    import read_control
+    return read_control.describe()
+
+
 def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
            notes: list[str], device) -> int:
     fill_baseline(rows)
@@ -659,7 +676,8 @@ def report(args, env, ceil: C.Ceilings, backends: list[str], rows: list[dict],
         "rel err = ||out - ref|| / ||ref|| vs hopper_moe.reference in fp32 on the same inputs"
         " ('!' = above " + ", ".join(f"{k} {v:g}" for k, v in ERR_MARK.items()) + ")",
         f"backends: {', '.join(backends)}",
-    ] + [f"note: {n}" for n in dict.fromkeys(notes)]
+    ] + ([read_control_note()] if READ_CONTROL in backends else []) + \
+        [f"note: {n}" for n in dict.fromkeys(notes)]
     md = C.env_header_md(f"hopper_moe {what}: {env['gpu']}", env, ceil, extra)
     ch, crows = compact_table(rows, backends)
     md += "\n## Summary\n\n" + C.markdown_table(ch, crows) + "\n"

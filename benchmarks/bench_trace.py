@@ -15,8 +15,9 @@ launches overlapped, as programmatic dependent launches do), then the replay's d
 time around it: from the end of the marker kernel launched just before the replay to the
 replay's first kernel's start, and from its last kernel's end to the start of the marker
 after it (where the events' extra time over the span is spent). --read-control
-adds the time of a plain read of the floor's bytes under the same eviction (under rotate: R
-buffers of those bytes, read in turn). Needs a GPU; the profiler's own overhead is not in the
+adds the time of a kernel that only reads the floor's bytes (read_control.py), timed as the
+rows are, under the same eviction (under rotate: R buffers of those bytes, read in turn).
+Needs a GPU; the profiler's own overhead is not in the
 device times.
 """
 from __future__ import annotations
@@ -43,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--static-act", action="store_true", help="static FP8 activation scales")
     C.add_evict_args(p)
     p.add_argument("--read-control", action="store_true",
-                   help="also time a plain read (fp32 sum) of the row's floor bytes, the same "
-                        "way: what a pure stream of those bytes takes")
+                   help="also time a kernel that only reads the row's floor bytes "
+                        "(read_control.py), the same way: what a pure stream of them takes")
     p.add_argument("--iters", type=int, default=20, help="profiled replays")
     p.add_argument("--seed", type=int, default=0, help="bench_moe.py's routing seed")
     args = p.parse_args(argv)
@@ -112,25 +113,21 @@ def summarize(replays: list[Replay]) -> list[str]:
 
 
 def read_control(args, dev: torch.device, shape: C.MoEShape, nbytes: int, evict) -> str:
-    """An fp32 sum over the floor's bytes, timed as the row is: `evict` between reads, or
-    under rotate R such buffers read in turn (R from the same rule as the weight copies)."""
-    buf = torch.ones(int(nbytes) // 4, dtype=torch.float32, device=dev)
-    sink = torch.empty((), dtype=torch.float32, device=dev)
+    """read_control.py's kernel over a buffer of the floor's bytes, timed as the rows are (a
+    CUDA graph, warm-up by GPU time, events): `evict` between reads, or under rotate R such
+    buffers, one graph each, read in turn (R from the same rule as the weight copies)."""
+    import read_control as RC
+    buf = torch.ones(-(-int(nbytes) // 16) * 4, dtype=torch.int32, device=dev)
     rot, why = B.row_rotation(args, dev, shape, nbytes, (buf,))
     if why:
         return "read control: " + why
     bufs = rot.copies if rot is not None else [(buf,)]
-
-    def make_read(b: torch.Tensor):
-        def read_all():
-            torch.sum(b, dim=0, out=sink)
-        return read_all
-    read = C.Cycle([make_read(b) for (b,) in bufs])
-    C.warm_up(read, 0, len(bufs))  # under rotate: each buffer read in turn
-    times = C.event_loop(read, evict, max(args.iters, 20))
+    fns = [RC.make_buffer_read(b) for (b,) in bufs]
+    timing, _ = C.time_fn(fns[0], dev, iters=max(args.iters, 50), warmup=10, evict=evict,
+                          copies=fns if rot is not None else None)
     copies = f", R = {len(bufs)} buffers in turn" if rot is not None else ""
-    return (f"read control: an fp32 sum over the floor's {nbytes / 1e6:.1f} MB{copies}, "
-            f"events median {statistics.median(times):.1f} us")
+    return (f"read control: one kernel reading the floor's {nbytes / 1e6:.1f} MB{copies} "
+            f"(benchmarks/read_control.py), {timing.mode} median {timing.median_us:.1f} us")
 
 
 def main(argv=None) -> int:
