@@ -14,11 +14,10 @@ launches overlapped, as programmatic dependent launches do), then the replay's d
 (first kernel's start to last kernel's end) next to the event-timed median, and the device
 time around it: from the end of the marker kernel launched just before the replay to the
 replay's first kernel's start, and from its last kernel's end to the start of the marker
-after it (where the events' extra time over the span is spent). --read-control
-adds the time of a kernel that only reads the floor's bytes (read_control.py), timed as the
-rows are, under the same eviction (under rotate: R buffers of those bytes, read in turn).
-Needs a GPU; the profiler's own overhead is not in the
-device times.
+after it (where the events' extra time over the span is spent). --read-control adds the
+time of a kernel that only reads the floor's bytes (read_control.py), timed as the rows are,
+under the same eviction (under rotate: R buffers of those bytes, read in turn). Needs a GPU;
+the profiler's own overhead is not in the device times.
 """
 from __future__ import annotations
 
