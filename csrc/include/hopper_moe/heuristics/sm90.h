@@ -200,17 +200,17 @@ inline int choose_k_splits(int64_t units, int k_tiles, int sm_count) {
 }
 
 // Warpgroup pairs (kPairBlockN-row units, half the bytes of a 128-row one) for a launch of
-// about `units` full-K 128-row units and `pair_units` pair units, which a pair never splits:
-// only where the full units' best K split (choose_k_splits) is needed and the unsplit pairs'
-// waves (half units) are no longer, so the reduction goes away (mixtral GEMM2 at one token:
-// 64 units split 2 ways, 0.5 waves; 128 pair units, 0.5). Not for an unsplit launch whose
-// last wave is short (mixtral GEMM1 at one token: 448 units, 4 waves; 896 pairs, 3.5): its
-// free SMs already run the next launch's prefetch, and the pairs lost 1 us there in FP8.
-inline bool use_warpgroup_pair(int64_t units, int64_t pair_units, int k_tiles, int sm_count) {
-  if (units <= 0 || pair_units <= 0 || sm_count <= 0) return false;
+// about `units` full-K 128-row units, whose K split is `splits` (choose_k_splits), and
+// `pair_units` pair units, which a pair never splits: only where that split is needed and the
+// unsplit pairs' waves (half units) are no longer, so the reduction goes away (mixtral GEMM2
+// at one token: 64 units split 2 ways, 0.5 waves; 128 pair units, 0.5). Not for an unsplit
+// launch whose last wave is short (mixtral GEMM1 at one token: 448 units, 4 waves; 896 pairs,
+// 3.5): its free SMs already run the next launch's prefetch, and the pairs lost 1 us there in
+// FP8.
+inline bool use_warpgroup_pair(int64_t units, int splits, int64_t pair_units, int k_tiles,
+                               int sm_count) {
+  if (splits <= 1 || units <= 0 || pair_units <= 0 || sm_count <= 0) return false;
   if (choose_k_splits(pair_units, k_tiles, sm_count) != 1) return false;
-  const int splits = choose_k_splits(units, k_tiles, sm_count);
-  if (splits <= 1) return false;
   const Waves full = k_split_waves(units, splits, sm_count);  // in full units
   const int64_t pair = k_split_waves(pair_units, 1, sm_count).num;  // in half units
   return pair * full.den <= 2 * full.num;
@@ -256,14 +256,13 @@ inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
       active_experts > min_token_tiles ? active_experts : min_token_tiles;
   const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) * token_tiles;
   const int k_tiles = (k + c.block_k - 1) / c.block_k;
+  c.k_splits = choose_k_splits(units, k_tiles, sm_count);
   if (allow_pair && swap_ab && has_pair_tile(c.block_t)) {
     const int64_t pair_units = int64_t((n + kPairBlockN - 1) / kPairBlockN) * token_tiles;
-    if (use_warpgroup_pair(units, pair_units, k_tiles, sm_count)) {
-      c = swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
-      return c;
+    if (use_warpgroup_pair(units, c.k_splits, pair_units, k_tiles, sm_count)) {
+      return swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
     }
   }
-  c.k_splits = choose_k_splits(units, k_tiles, sm_count);
   return c;
 }
 
