@@ -21,6 +21,11 @@ FP8 = torch.float8_e4m3fn
 
 # The swap-AB warpgroup pair: as the heuristic chooses it, and forced wherever a launch has one.
 PAIRS = pytest.mark.parametrize("pair", ["", "1"], ids=["heuristic", "pair"])
+# The operand and scale schemes of the GPU tests: bf16, FP8 per-tensor, FP8 per-token x
+# per-channel.
+SCHEMES = pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                          ("fp8", "tensor", "tensor"),
+                                                          ("fp8", "token", "channel")])
 
 
 def use_pair(monkeypatch, pair: str) -> None:
@@ -265,9 +270,7 @@ def test_cuda_refuses_off_sm90():
 
 @gpu
 @sm90
-@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
-                                                 ("fp8", "tensor", "tensor"),
-                                                 ("fp8", "token", "channel")])
+@SCHEMES
 @PAIRS
 def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
     use_pair(monkeypatch, pair)
@@ -296,9 +299,7 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
-                                                 ("fp8", "tensor", "tensor"),
-                                                 ("fp8", "token", "channel")])
+@SCHEMES
 @PAIRS
 def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
     """Each token tile of heuristics/sm90.h (bf16 16..128, FP8 16..64), picked through m_total:
@@ -331,9 +332,7 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
-                                                 ("fp8", "tensor", "tensor"),
-                                                 ("fp8", "token", "channel")])
+@SCHEMES
 @pytest.mark.parametrize("pair", ["0", "1"], ids=["unpaired", "pair"])
 def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
     """Launches with so few units that heuristics/sm90.h splits K (2 to 4 ways): partial sums
@@ -364,9 +363,7 @@ def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
-                                                 ("fp8", "tensor", "tensor"),
-                                                 ("fp8", "token", "channel")])
+@SCHEMES
 @PAIRS
 def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
     """Every K split 1..8 forced through HOPPER_MOE_CUTE_K_SPLITS: many units per CTA, a K
@@ -441,9 +438,7 @@ def test_cuda_persistent_units(dtype, a_mode, b_mode, pair, monkeypatch):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
-                                                 ("fp8", "tensor", "tensor"),
-                                                 ("fp8", "token", "channel")])
+@SCHEMES
 def test_cuda_standard_mapping(dtype, a_mode, b_mode, monkeypatch):
     """The standard mapping (tokens on wgmma's A side), chosen where the fullest expert's rows
     outgrow the swap-AB tiles: ragged experts of hundreds of rows (several 128-row token
