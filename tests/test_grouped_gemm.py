@@ -483,6 +483,48 @@ def test_cuda_rejects_a_bad_mapping_override(monkeypatch):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
+                                                 ("fp8", "token", "channel")])
+@PAIRS
+def test_cuda_staggered_start_changes_no_bit(dtype, a_mode, b_mode, pair, monkeypatch):
+    """HOPPER_MOE_CUTE_STAGGER_NS delays each CTA's first copies (up to the 20 us cap here):
+    the same units in the same order, so the outputs are the unstaggered launch's bit for bit,
+    with and without a K split and through the offsets_ready prefetch."""
+    use_pair(monkeypatch, pair)
+    a, b, offs, sa, sb = make_problem([5, 0, 40, 1, 17], 520, 4112, dtype, a_mode, b_mode,
+                                      seed=23, device="cuda")
+    for splits in ("", "3"):
+        if splits:
+            monkeypatch.setenv("HOPPER_MOE_CUTE_K_SPLITS", splits)
+        monkeypatch.delenv("HOPPER_MOE_CUTE_STAGGER_NS", raising=False)
+        want = run(a, b, offs, sa, sb)
+        for ns in ("50", "2000"):
+            monkeypatch.setenv("HOPPER_MOE_CUTE_STAGGER_NS", ns)
+            got = run(a, b, offs, sa, sb)
+            assert torch.equal(got.isnan(), want.isnan()), (splits, ns)
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (splits, ns)
+            out = torch.full_like(want, float("nan"))
+            ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, offsets_ready=True)
+            assert torch.equal(out.nan_to_num(), want.nan_to_num()), (splits, ns, "ready")
+    check_against_reference(want, a, b, offs, sa, sb)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("value", ["-1", "2001", "abc", "5ns", ""])
+def test_cuda_rejects_a_bad_stagger(value, monkeypatch):
+    monkeypatch.setenv("HOPPER_MOE_CUTE_STAGGER_NS", value)
+    a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
+    if value == "":  # unset in effect: the default launch
+        check_against_reference(run(a, b, offs, None, None), a, b, offs, None, None)
+        return
+    with pytest.raises(RuntimeError, match=r"HOPPER_MOE_CUTE_STAGGER_NS must be an integer in "
+                                           r"\[0, 2000\]"):
+        run(a, b, offs, None, None)
+
+
+@gpu
+@sm90
 def test_cuda_rejects_more_experts_than_the_table():
     a, b, offs, _, _ = make_problem([1] + [0] * 1024, 64, 64, device="cuda")
     with pytest.raises(RuntimeError, match="at most 1024 experts"):

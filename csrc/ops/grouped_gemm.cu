@@ -80,6 +80,16 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
              env, "')");
     config.k_splits = s;
   }
+  // HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000): CTA b's producer issues its first copies ~b x t ns
+  // late (gemm::MoeGemmArgs::start_stagger_ns), for measuring the start of a launch.
+  int start_stagger_ns = 0;
+  if (const char* env = std::getenv("HOPPER_MOE_CUTE_STAGGER_NS"); env != nullptr && *env) {
+    char* end = nullptr;
+    const long t = std::strtol(env, &end, 10);
+    HM_CHECK(kOp, end != env && *end == '\0' && t >= 0 && t <= 2000,
+             "HOPPER_MOE_CUTE_STAGGER_NS must be an integer in [0, 2000] (got '", env, "')");
+    start_stagger_ns = int(t);
+  }
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
@@ -116,6 +126,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.amax_scale = amax_scale ? amax_scale->data_ptr<float>() : nullptr;
   args.pdl = pdl::enabled_by_env();
   args.offsets_ready = offsets_ready;
+  args.start_stagger_ns = start_stagger_ns;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));

@@ -167,6 +167,9 @@ struct MoeGemmConfig {
   static constexpr uint32_t kTxBytes = (kTileA + kTileB) * kBlockK * sizeof(Element);
 };
 
+// The longest staggered-start sleep of one CTA (MoeGemmParams::start_stagger_ns).
+inline constexpr int kMaxStartStaggerNs = 20000;
+
 struct MoeGemmParams {
   void* out;  // bf16, or e4m3 bytes when out_scale is set
   float* partial;  // [k_splits, m_total, n] fp32 (k_splits > 1 only)
@@ -189,6 +192,7 @@ struct MoeGemmParams {
   float* amax_scale;       // SiLU*mul into bf16: max(*amax_scale, amax |out| / 448) (or null)
   bool offsets_ready;      // offsets may be read before the previous kernel completes
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
+  int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
 };
 
 // One work unit, decoded the same way by the producer and the consumers.
@@ -425,6 +429,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       // for the previous kernel (they do not depend on it), their tokens after the wait.
       // Phase 1 first: a fresh barrier counts its preceding phase as complete, so the first
       // kStages waits pass and the ring fills at once.
+      // A staggered start: CTA b issues its first copies ~b x start_stagger_ns after the
+      // others' (benchmarks/NOTES.md, v23), so the grid's first stages arrive in CTA order.
+      if (p.start_stagger_ns > 0 && blockIdx.x > 0) {
+        __nanosleep(uint32_t(cute::min(int64_t(blockIdx.x) * p.start_stagger_ns,
+                                       int64_t(kMaxStartStaggerNs))));
+      }
       int prefetched = 0;
       if (p.offsets_ready) {
         cutlass::PipelineState<kStages> ahead(0, 1, 0);
@@ -776,7 +786,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.n, a.k, a.m_total, a.ldo, k_splits, a.num_experts, n_tiles, tile_cols,
                   a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr,
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
-                  vector_out};
+                  vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0};
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
                                       kPromoteInterval, decltype(tma_a), decltype(tma_b)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

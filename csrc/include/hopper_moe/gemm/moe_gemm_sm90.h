@@ -67,6 +67,9 @@ struct MoeGemmArgs {
   // is a grouped GEMM, which writes no offsets.)
   bool pdl = true;
   bool offsets_ready = false;
+  // For measuring: CTA b's producer waits ~b x start_stagger_ns before its first copy, so the
+  // grid's first stages are requested (and arrive) in CTA order instead of all at once.
+  int start_stagger_ns = 0;
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
