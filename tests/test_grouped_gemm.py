@@ -481,45 +481,59 @@ def test_cuda_rejects_a_bad_mapping_override(monkeypatch):
         run(a, b, offs, None, None)
 
 
+# The launch knobs for measuring (csrc/ops/grouped_gemm.cu): each changes when or how the
+# weights are requested, or which CTA runs a unit, never what a unit computes.
+MEASURING_KNOBS = {
+    "HOPPER_MOE_CUTE_STAGGER_NS": ("50", "2000"),
+    "HOPPER_MOE_CUTE_L2_PREFETCH": ("1", "256"),
+    "HOPPER_MOE_CUTE_EVICT_FIRST": ("1",),
+    "HOPPER_MOE_CUTE_BALANCE": ("1",),
+}
+KNOB_RANGES = {"HOPPER_MOE_CUTE_STAGGER_NS": (0, 2000), "HOPPER_MOE_CUTE_L2_PREFETCH": (0, 256),
+               "HOPPER_MOE_CUTE_EVICT_FIRST": (0, 1), "HOPPER_MOE_CUTE_BALANCE": (0, 1)}
+
+
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
+@pytest.mark.parametrize("knob", sorted(MEASURING_KNOBS))
 @PAIRS
-def test_cuda_staggered_start_changes_no_bit(dtype, a_mode, b_mode, pair, monkeypatch):
-    """HOPPER_MOE_CUTE_STAGGER_NS delays each CTA's first copies (up to the 20 us cap here):
-    the same units in the same order, so the outputs are the unstaggered launch's bit for bit,
-    with and without a K split and through the offsets_ready prefetch."""
+def test_cuda_measuring_knob_changes_no_bit(dtype, a_mode, b_mode, knob, pair, monkeypatch):
+    """A staggered start (up to the 20 us cap), L2 prefetches past the ring, evict-first
+    weight copies and the balanced grid give the default launch's outputs bit for bit, with
+    and without a K split and through the offsets_ready prefetch."""
     use_pair(monkeypatch, pair)
     a, b, offs, sa, sb = make_problem([5, 0, 40, 1, 17], 520, 4112, dtype, a_mode, b_mode,
                                       seed=23, device="cuda")
     for splits in ("", "3"):
         if splits:
             monkeypatch.setenv("HOPPER_MOE_CUTE_K_SPLITS", splits)
-        monkeypatch.delenv("HOPPER_MOE_CUTE_STAGGER_NS", raising=False)
+        monkeypatch.delenv(knob, raising=False)
         want = run(a, b, offs, sa, sb)
-        for ns in ("50", "2000"):
-            monkeypatch.setenv("HOPPER_MOE_CUTE_STAGGER_NS", ns)
+        for value in MEASURING_KNOBS[knob]:
+            monkeypatch.setenv(knob, value)
             got = run(a, b, offs, sa, sb)
-            assert torch.equal(got.isnan(), want.isnan()), (splits, ns)
-            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (splits, ns)
+            assert torch.equal(got.isnan(), want.isnan()), (splits, value)
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (splits, value)
             out = torch.full_like(want, float("nan"))
             ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, offsets_ready=True)
-            assert torch.equal(out.nan_to_num(), want.nan_to_num()), (splits, ns, "ready")
+            assert torch.equal(out.nan_to_num(), want.nan_to_num()), (splits, value, "ready")
     check_against_reference(want, a, b, offs, sa, sb)
 
 
 @gpu
 @sm90
-@pytest.mark.parametrize("value", ["-1", "2001", "abc", "5ns", ""])
-def test_cuda_rejects_a_bad_stagger(value, monkeypatch):
-    monkeypatch.setenv("HOPPER_MOE_CUTE_STAGGER_NS", value)
+@pytest.mark.parametrize("knob", sorted(KNOB_RANGES))
+@pytest.mark.parametrize("value", ["-1", "hi+1", "abc", "5ns", ""])
+def test_cuda_rejects_a_bad_knob(knob, value, monkeypatch):
+    lo, hi = KNOB_RANGES[knob]
+    monkeypatch.setenv(knob, str(hi + 1) if value == "hi+1" else value)
     a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
     if value == "":  # unset in effect: the default launch
         check_against_reference(run(a, b, offs, None, None), a, b, offs, None, None)
         return
-    with pytest.raises(RuntimeError, match=r"HOPPER_MOE_CUTE_STAGGER_NS must be an integer in "
-                                           r"\[0, 2000\]"):
+    with pytest.raises(RuntimeError, match=rf"{knob} must be an integer in \[{lo}, {hi}\]"):
         run(a, b, offs, None, None)
 
 

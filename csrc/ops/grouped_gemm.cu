@@ -24,6 +24,18 @@ namespace hopper_moe::cuda {
 
 namespace {
 
+// The integer in environment variable `name`, which must lie in [lo, hi]; `fallback` when it
+// is unset or empty.
+int env_int(const char* kOp, const char* name, long lo, long hi, int fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  HM_CHECK(kOp, end != env && *end == '\0' && v >= lo && v <= hi, name,
+           " must be an integer in [", lo, ", ", hi, "] (got '", env, "')");
+  return int(v);
+}
+
 // The launch shared by both ops (arguments checked by the caller): the config from the
 // heuristic and the overrides, the K split's workspace, the kernel.
 void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
@@ -80,16 +92,16 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
              env, "')");
     config.k_splits = s;
   }
+  // For measuring the start and the end of a launch (gemm::MoeGemmArgs):
   // HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000): CTA b's producer issues its first copies ~b x t ns
-  // late (gemm::MoeGemmArgs::start_stagger_ns), for measuring the start of a launch.
-  int start_stagger_ns = 0;
-  if (const char* env = std::getenv("HOPPER_MOE_CUTE_STAGGER_NS"); env != nullptr && *env) {
-    char* end = nullptr;
-    const long t = std::strtol(env, &end, 10);
-    HM_CHECK(kOp, end != env && *end == '\0' && t >= 0 && t <= 2000,
-             "HOPPER_MOE_CUTE_STAGGER_NS must be an integer in [0, 2000] (got '", env, "')");
-    start_stagger_ns = int(t);
-  }
+  // late. HOPPER_MOE_CUTE_L2_PREFETCH=t (0..256): with offsets_ready, t more k-tiles of weights
+  // are prefetched into L2 before the wait. HOPPER_MOE_CUTE_EVICT_FIRST=1: the weights are
+  // copied evict-first. HOPPER_MOE_CUTE_BALANCE=1: the grid is heuristics::balanced_grid of
+  // the launch's expected units.
+  const int start_stagger_ns = env_int(kOp, "HOPPER_MOE_CUTE_STAGGER_NS", 0, 2000, 0);
+  const int l2_prefetch_tiles = env_int(kOp, "HOPPER_MOE_CUTE_L2_PREFETCH", 0, 256, 0);
+  const bool evict_first = env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, 0) == 1;
+  const bool balance = env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, 0) == 1;
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
@@ -113,6 +125,11 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.k_splits = config.k_splits;
   args.partial = config.k_splits > 1 ? partial.data_ptr<float>() : nullptr;
   args.sm_count = prop->multiProcessorCount;
+  if (balance) {
+    args.sm_count = heuristics::balanced_grid(
+        heuristics::expected_units(config, a.size(0), int(b.size(0)), int(b.size(1))),
+        prop->multiProcessorCount);
+  }
   if (a_scales) {
     args.a_scale = a_scales->data_ptr<float>();
     args.a_mode = a_scales->numel() == 1 ? gemm::ScaleMode::kPerTensor : gemm::ScaleMode::kPerRow;
@@ -127,6 +144,8 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.pdl = pdl::enabled_by_env();
   args.offsets_ready = offsets_ready;
   args.start_stagger_ns = start_stagger_ns;
+  args.l2_prefetch_tiles = l2_prefetch_tiles;
+  args.evict_first_weights = evict_first;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));

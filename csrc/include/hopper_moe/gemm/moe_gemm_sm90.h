@@ -70,6 +70,11 @@ struct MoeGemmArgs {
   // For measuring: CTA b's producer waits ~b x start_stagger_ns before its first copy, so the
   // grid's first stages are requested (and arrive) in CTA order instead of all at once.
   int start_stagger_ns = 0;
+  // For measuring: with offsets_ready, the weights of the l2_prefetch_tiles k-tiles after the
+  // first kStages are prefetched into L2 before the wait; evict_first_weights copies the
+  // weights with the L2 evict-first policy (each is read once per token tile).
+  int l2_prefetch_tiles = 0;
+  bool evict_first_weights = false;
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`

@@ -226,6 +226,28 @@ inline int64_t expected_active_experts(int64_t m_total, int num_experts) {
   return rounded < 1 ? 1 : rounded;
 }
 
+// Units a launch of config c is expected to have (uniform routing, as the K split's estimate):
+// ceil(N / block_n) weight tiles x max(active experts, ceil(m_total / block_t)) token tiles x
+// the K split.
+inline int64_t expected_units(const GroupedGemmConfig& c, int64_t m_total, int num_experts,
+                              int n) {
+  const int64_t active_experts = expected_active_experts(m_total, num_experts);
+  const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
+  const int64_t token_tiles =
+      active_experts > min_token_tiles ? active_experts : min_token_tiles;
+  return int64_t((n + c.block_n - 1) / c.block_n) * token_tiles * c.k_splits;
+}
+
+// The fewest CTAs that run `units` units in as many waves as sm_count CTAs do:
+// ceil(units / ceil(units / sm_count)). Every CTA then gets the same number of units (when
+// the estimate holds) and the SMs left over are free for the next launch from the start
+// (mixtral GEMM1 at one token: 448 units on 112 CTAs, 4 each, instead of 132 CTAs with 3 or 4).
+inline int balanced_grid(int64_t units, int sm_count) {
+  if (units <= 0 || sm_count <= 0) return sm_count;
+  const int64_t waves = (units + sm_count - 1) / sm_count;
+  return int((units + waves - 1) / waves);
+}
+
 // The config for one launch in the given mapping: the token tile (swap-AB: the rule's,
 // capped at the largest candidate; standard: 128) and the K split. n and k do not enter the
 // token tile: whatever the weight shape, a second token tile of an expert streams all of its
@@ -250,15 +272,12 @@ inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
   } else {
     c = standard_config(dtype);
   }
-  const int64_t active_experts = expected_active_experts(m_total, num_experts);
-  const int64_t min_token_tiles = (m_total + c.block_t - 1) / c.block_t;
-  const int64_t token_tiles =
-      active_experts > min_token_tiles ? active_experts : min_token_tiles;
-  const int64_t units = int64_t((n + c.block_n - 1) / c.block_n) * token_tiles;
+  const int64_t units = expected_units(c, m_total, num_experts, n);  // c.k_splits = 1
   const int k_tiles = (k + c.block_k - 1) / c.block_k;
   c.k_splits = choose_k_splits(units, k_tiles, sm_count);
   if (allow_pair && swap_ab && has_pair_tile(c.block_t)) {
-    const int64_t pair_units = int64_t((n + kPairBlockN - 1) / kPairBlockN) * token_tiles;
+    const int64_t pair_units =
+        expected_units(swapab_pair_config(c.dtype, c.block_t), m_total, num_experts, n);
     if (use_warpgroup_pair(units, c.k_splits, pair_units, k_tiles, sm_count)) {
       return swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
     }
