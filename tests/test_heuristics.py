@@ -14,6 +14,9 @@ Warpgroup pair (swap-AB token tiles 16 and 32): 64-row units, never split, u2 = 
 max(A, token tiles) of them, taking ceil(u2 / sm_count) / 2 waves: chosen only where the full
 units need a K split, u2 needs none, and those waves are no longer than the full units' with
 their split; up to 24 stages.
+Grid: the launch's expected units u (pair units, or full units times the split) on
+ceil(u / ceil(u / sm_count)) CTAs when 4 <= ceil(u / sm_count) <= 8 waves, else sm_count. Weight
+copies are evict-first in the swap-AB mapping only.
 """
 from __future__ import annotations
 
@@ -137,6 +140,19 @@ def rule_smem_bytes(dtype: str, block_n: int, block_t: int, stages: int,
     epilogue = max(block_t * (block_n + 8) * 2, block_n * block_t * 4 if pair else 0)
     return align(align(stages * block_n * per_row) + align(stages * block_t * per_row)
                  + epilogue + 16 * stages + (1024 + 1) * 4)
+
+def rule_grid(dtype: str, m_total: int, num_experts: int, n: int, k: int,
+              sm_count: int = H200_SMS) -> int:
+    """The persistent grid the rule gives, computed independently of the header."""
+    if rule_pair(dtype, m_total, num_experts, n, k, sm_count):
+        units = -(-n // PAIR_BLOCK_N) * rule_token_tiles(dtype, m_total, num_experts)
+    else:
+        units = rule_units(dtype, m_total, num_experts, n) * rule_k_splits(
+            dtype, m_total, num_experts, n, k, sm_count)
+    w = -(-units // sm_count)
+    if units <= 0 or not 4 <= w <= 8:
+        return sm_count
+    return -(-units // w)
 
 
 DRIVER = r"""
@@ -290,6 +306,30 @@ def test_k_split_points(driver):
         assert cfg["block_n"] == (PAIR_BLOCK_N if q[6] else rule_block_n(*q[:3])), cfg
 
 
+# (dtype, m_total, num_experts, n, k) -> the persistent grid on 132 SMs.
+GRID_POINTS = [
+    ("e4m3", 2, 8, 28672, 4096, 112),  # mixtral GEMM1 at one token: 448 units, 4 x 112
+    ("bf16", 2, 8, 28672, 4096, 112),
+    ("e4m3", 2, 8, 4096, 14336, 132),  # its GEMM2: 128 pair units, one wave: every SM
+    ("e4m3", 4, 8, 28672, 4096, 112),  # at two tokens: 3 experts expected, 672 units, 6 x 112
+    ("bf16", 8, 8, 4096, 14336, 128),  # at four tokens: 160 units split 4 ways, 5 x 128
+    ("e4m3", 32, 8, 28672, 4096, 132),  # at 16 tokens: 1792 units, 14 waves: every SM
+    ("bf16", 8, 128, 1536, 2048, 132),  # qwen3_30b GEMM1 at one token: 96 units, one wave
+    ("bf16", 16, 128, 1536, 2048, 132),  # at two tokens: 15 experts expected, 16 may come
+    ("e4m3", 6, 8, 28672, 4096, 128),   # mixtral GEMM1 at 3 tokens: 4 experts, 896 units, 7 x 128
+    ("e4m3", 8, 8, 28672, 4096, 132),   # at 4 tokens: 5 experts, 1120 units, 9 waves
+    ("bf16", 0, 8, 4096, 14336, 132),  # no rows
+    ("bf16", 2, 8, 128, 128, 132),     # 2 units: one wave
+]
+
+
+def test_grid_points(driver):
+    got = choose(driver, [q[:5] for q in GRID_POINTS])
+    for q, cfg in zip(GRID_POINTS, got):
+        assert rule_grid(*q[:5]) == q[5], q  # the table itself
+        assert cfg["grid"] == q[5], f"{q}: {cfg}"
+
+
 @pytest.mark.parametrize("sm_count", [78, 132])
 def test_k_splits_match_rule(driver, sm_count):
     queries = [(d, m, e, n, k) for d in ("bf16", "e4m3") for m in (0, 1, 2, 3, 5, 16, 300)
@@ -300,6 +340,9 @@ def test_k_splits_match_rule(driver, sm_count):
         assert cfg["k_splits"] == rule_k_splits(*q, sm_count=sm_count), f"{q}: {cfg}"
         assert cfg["pair"] == int(rule_pair(*q, sm_count=sm_count)), f"{q}: {cfg}"
         assert cfg["block_t"] == rule_token_tile(*q[:3]), f"{q}: {cfg}"
+        assert cfg["grid"] == rule_grid(*q, sm_count=sm_count), f"{q}: {cfg}"
+        assert 0 < cfg["grid"] <= sm_count, f"{q}: {cfg}"
+        assert cfg["evict_first"] == cfg["swap_ab"], f"{q}: {cfg}"
         units = rule_units(*q[:4])
         if 0 < units < 2 * sm_count and not cfg["pair"]:
             s = cfg["k_splits"]

@@ -92,16 +92,25 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
              env, "')");
     config.k_splits = s;
   }
-  // For measuring the start and the end of a launch (gemm::MoeGemmArgs):
-  // HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000): CTA b's producer issues its first copies ~b x t ns
-  // late. HOPPER_MOE_CUTE_L2_PREFETCH=t (0..256): with offsets_ready, t more k-tiles of weights
-  // are prefetched into L2 before the wait. HOPPER_MOE_CUTE_EVICT_FIRST=1: the weights are
-  // copied evict-first. HOPPER_MOE_CUTE_BALANCE=1: the grid is heuristics::balanced_grid of
-  // the launch's expected units.
+  // The grid and the cache policy of the config after the overrides above; for measuring
+  // them, HOPPER_MOE_CUTE_BALANCE=0 gives the launch every SM, =1 the balanced grid
+  // (heuristics::balanced_grid) at any wave count, and HOPPER_MOE_CUTE_EVICT_FIRST=0/1 sets
+  // the weights' policy. HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000): CTA b's producer issues its
+  // first copies ~b x t ns late (gemm::MoeGemmArgs::start_stagger_ns).
+  const int sm_count = prop->multiProcessorCount;
+  const int balance = env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, -1);
+  if (balance == 0) {
+    config.grid = sm_count;
+  } else if (balance == 1) {
+    config.grid = heuristics::balanced_grid(
+        heuristics::expected_units(config, a.size(0), int(b.size(0)), int(b.size(1))), sm_count);
+  } else {
+    config.grid = heuristics::persistent_grid(config, a.size(0), int(b.size(0)), int(b.size(1)),
+                                              sm_count);
+  }
+  config.evict_first =
+      env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, int(config.swap_ab)) == 1;
   const int start_stagger_ns = env_int(kOp, "HOPPER_MOE_CUTE_STAGGER_NS", 0, 2000, 0);
-  const int l2_prefetch_tiles = env_int(kOp, "HOPPER_MOE_CUTE_L2_PREFETCH", 0, 256, 0);
-  const bool evict_first = env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, 0) == 1;
-  const bool balance = env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, 0) == 1;
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
@@ -124,12 +133,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.max_rows_per_expert = a.size(0);  // static bound: no read of the offsets on the host
   args.k_splits = config.k_splits;
   args.partial = config.k_splits > 1 ? partial.data_ptr<float>() : nullptr;
-  args.sm_count = prop->multiProcessorCount;
-  if (balance) {
-    args.sm_count = heuristics::balanced_grid(
-        heuristics::expected_units(config, a.size(0), int(b.size(0)), int(b.size(1))),
-        prop->multiProcessorCount);
-  }
+  args.grid = config.grid;
   if (a_scales) {
     args.a_scale = a_scales->data_ptr<float>();
     args.a_mode = a_scales->numel() == 1 ? gemm::ScaleMode::kPerTensor : gemm::ScaleMode::kPerRow;
@@ -144,8 +148,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.pdl = pdl::enabled_by_env();
   args.offsets_ready = offsets_ready;
   args.start_stagger_ns = start_stagger_ns;
-  args.l2_prefetch_tiles = l2_prefetch_tiles;
-  args.evict_first_weights = evict_first;
+  args.evict_first_weights = config.evict_first;
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));

@@ -193,7 +193,6 @@ struct MoeGemmParams {
   bool offsets_ready;      // offsets may be read before the previous kernel completes
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
   int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
-  int l2_prefetch_tiles;  // offsets_ready: weight k-tiles after the ring's prefetched into L2
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
 };
 
@@ -417,20 +416,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90(p.weight_cache_hint)), tg, ts);
         }
       };
-      // The same boxes into L2 only (no barrier, no shared memory).
-      const auto prefetch_weights = [&](const MoeGemmUnit& u, int kt) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int r = p.silu_mul ? (h == 0 ? u.n0 : p.act_n + u.n0) : u.n0 + h * kWeightBox;
-          Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + r, 0), mW),
-                                 make_shape(Int<kWeightBox>{}, Int<kBlockK>{}),
-                                 make_coord(0, kt));  // (BOX,BLK_K)
-          Tensor sW = make_tensor(make_smem_ptr(w_ring), typename Config::SmemLayoutWBox{});
-          auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                        group_modes<0, 2>(gW));
-          cute::prefetch(tma_w, tg);
-        }
-      };
       const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
         Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
                                make_shape(Int<kTileX>{}, Int<kBlockK>{}),
@@ -451,26 +436,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         __nanosleep(uint32_t(cute::min(int64_t(blockIdx.x) * p.start_stagger_ns,
                                        int64_t(kMaxStartStaggerNs))));
       }
-      // The next l2_prefetch_tiles k-tiles' weights go to L2 (benchmarks/NOTES.md, v24).
       int prefetched = 0;
       if (p.offsets_ready) {
         cutlass::PipelineState<kStages> ahead(0, 1, 0);
-        const int ahead_tiles = kStages + p.l2_prefetch_tiles;
-        int seen = 0;
-        for (int64_t unit = blockIdx.x; unit < units && seen < ahead_tiles;
+        for (int64_t unit = blockIdx.x; unit < units && prefetched < kStages;
              unit += gridDim.x) {
           const MoeGemmUnit u =
               decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
-          for (int kt = u.kt_begin; kt < u.kt_end && seen < ahead_tiles; ++kt, ++seen) {
-            if (seen >= kStages) {
-              prefetch_weights(u, kt);
-              continue;
-            }
+          for (int kt = u.kt_begin; kt < u.kt_end && prefetched < kStages; ++kt, ++prefetched) {
             const int s = ahead.index();
             FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
             copy_weights(u, kt, s);
             ++ahead;
-            ++prefetched;
           }
         }
       }
@@ -772,8 +749,8 @@ __global__ void __launch_bounds__(kThreads)
   if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
 }
 
-// Builds the TMA descriptors and launches the persistent grid (at most one CTA per SM, no more
-// than the launch can have units; as a programmatic dependent launch unless a.pdl is false),
+// Builds the TMA descriptors and launches the persistent grid (a.grid CTAs, at most one per SM,
+// no more than the launch can have units; as a programmatic dependent launch unless a.pdl is false),
 // then, with a K split, the reduction of the partial tiles (the same kind of launch).
 template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval>
@@ -782,7 +759,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   using Config =
       MoeGemmConfig<Element, kSwapAB, kBlockN, kBlockT, kBlockK, kStages, kPromoteInterval>;
   if (a.m_total == 0 || a.num_experts == 0 || a.n == 0) return cudaSuccess;
-  if (a.num_experts > heuristics::kMaxExperts || a.sm_count <= 0) return cudaErrorInvalidValue;
+  if (a.num_experts > heuristics::kMaxExperts || a.grid <= 0) return cudaErrorInvalidValue;
   if (a.silu_mul && (a.act_n <= 0 || 2 * int64_t(a.act_n) != a.n)) return cudaErrorInvalidValue;
 
   const auto* w_ptr = static_cast<const Element*>(a.w);
@@ -811,7 +788,6 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.act_n, a.silu_mul, a.silu_mul ? a.out_scale : nullptr,
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0,
-                  a.l2_prefetch_tiles > 0 ? a.l2_prefetch_tiles : 0,
                   uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
                                                  : TMA::CacheHintSm90::EVICT_NORMAL)};
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
@@ -825,7 +801,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                              std::min<int64_t>(a.num_experts, a.m_total);
   const int64_t unit_bound = tile_bound * n_tiles * k_splits;
   cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(unsigned(std::min<int64_t>(a.sm_count, unit_bound)));
+  launch.gridDim = dim3(unsigned(std::min<int64_t>(a.grid, unit_bound)));
   launch.blockDim = dim3(Config::kThreads);
   launch.dynamicSmemBytes = Config::kSmemBytes;
   launch.stream = stream;

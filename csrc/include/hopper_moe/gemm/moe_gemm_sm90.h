@@ -49,7 +49,7 @@ struct MoeGemmArgs {
   int64_t max_rows_per_expert = 0;    // static bound on offsets[e+1]-offsets[e] (grid size)
   int k_splits = 1;                   // K split of each CTA's work (heuristics/sm90.h)
   float* partial = nullptr;           // [k_splits, m_total, N] fp32 workspace if k_splits > 1
-  int sm_count = 0;                   // SMs of the device: the persistent grid's size bound
+  int grid = 0;                       // CTAs of the persistent grid (config.grid), at most
   // SiLU*mul fused into the epilogue (GEMM1 of a layer): w holds [gate (act_n rows); up (act_n
   // rows)] per expert (n = 2 * act_n) and out [m_total, act_n] gets silu(gate) * up of the
   // bf16-rounded products, as bf16, or as e4m3 bytes quantized with the static per-tensor
@@ -70,10 +70,7 @@ struct MoeGemmArgs {
   // For measuring: CTA b's producer waits ~b x start_stagger_ns before its first copy, so the
   // grid's first stages are requested (and arrive) in CTA order instead of all at once.
   int start_stagger_ns = 0;
-  // For measuring: with offsets_ready, the weights of the l2_prefetch_tiles k-tiles after the
-  // first kStages are prefetched into L2 before the wait; evict_first_weights copies the
-  // weights with the L2 evict-first policy (each is read once per token tile).
-  int l2_prefetch_tiles = 0;
+  // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
 };
 

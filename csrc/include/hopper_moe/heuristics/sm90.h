@@ -36,6 +36,11 @@
 // Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, only where
 // their waves replace a K split at no loss (use_warpgroup_pair; benchmarks/NOTES.md, v20 and
 // v21: pairs of an unsplit launch with a short last wave lost in FP8).
+// Grid: from kBalanceMinWaves to kBalanceMaxWaves waves of expected units, the fewest CTAs
+// that keep the waves (persistent_grid), so that no CTA carries one unit more than the others while the rest of
+// the grid idles, and the SMs left over start the next launch. Swap-AB reads each weight tile
+// once (one token tile per expert is expected), so its weights are copied evict-first, which
+// keeps the tokens and outputs in L2 (v24).
 #pragma once
 
 #include <cmath>
@@ -66,6 +71,8 @@ inline constexpr int kMaxKSplits = 8;
 inline constexpr int kMinKTilesPerSplit = 32;
 inline constexpr int kKSplitMaxWaves = 2;  // launches with more units never split
 inline constexpr int kKSplitSlackPct = 3;  // a split must buy more than this much time
+inline constexpr int kBalanceMinWaves = 4;  // launches with fewer waves keep every SM,
+inline constexpr int kBalanceMaxWaves = 8;  // and so do those with more
 
 // One instantiation of the swap-AB kernel: its template arguments and shared memory.
 struct GroupedGemmConfig {
@@ -78,6 +85,8 @@ struct GroupedGemmConfig {
   int smem_bytes = 0;
   int k_splits = 1;          // K ranges per CTA's work (a launch-time choice, not a template)
   bool swap_ab = true;       // weights on wgmma's A side (else the tokens)
+  int grid = 0;              // CTAs of the persistent grid, at most (persistent_grid)
+  bool evict_first = false;  // weight copies evict-first in L2 (each is read once: swap-AB)
   // Swap-AB with block_n = kPairBlockN: the two consumer warpgroups share one 64-row weight
   // tile and take alternate k-tiles, adding their sums in the epilogue (warpgroup_pair()).
   constexpr bool pair() const { return swap_ab && block_n == kPairBlockN; }
@@ -88,7 +97,8 @@ struct GroupedGemmConfig {
            " block_k=" + std::to_string(block_k) + " stages=" + std::to_string(stages) +
            " promote_interval=" + std::to_string(promote_interval) +
            " pair=" + std::to_string(int(pair())) +
-           " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits);
+           " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits) +
+           " grid=" + std::to_string(grid) + " evict_first=" + std::to_string(int(evict_first));
   }
 };
 
@@ -248,6 +258,23 @@ inline int balanced_grid(int64_t units, int sm_count) {
   return int((units + waves - 1) / waves);
 }
 
+// The persistent grid of a launch of config c: balanced (balanced_grid of its expected units)
+// from kBalanceMinWaves to kBalanceMaxWaves waves, every SM otherwise (benchmarks/NOTES.md,
+// v24). At 4 waves the short last wave of a full grid costs the most (mixtral GEMM1 at one
+// token: -3 us in FP8, -5 in bf16 on 112 CTAs). Past 8 it costs little (at 14 waves FP8 lost
+// 2 us on 128 CTAs). Below 4 the balanced grid can drop to half the SMs (133 units: 67 CTAs),
+// too few to pull HBM's bandwidth, and to one wave of exactly the expected units, where one
+// more expert than expected would take a second wave; from 4 waves up it keeps at least 3/4
+// of the SMs.
+inline int persistent_grid(const GroupedGemmConfig& c, int64_t m_total, int num_experts, int n,
+                           int sm_count) {
+  const int64_t units = expected_units(c, m_total, num_experts, n);
+  if (units <= 0 || sm_count <= 0) return sm_count;
+  const int64_t waves = (units + sm_count - 1) / sm_count;
+  if (waves < kBalanceMinWaves || waves > kBalanceMaxWaves) return sm_count;
+  return balanced_grid(units, sm_count);
+}
+
 // The config for one launch in the given mapping: the token tile (swap-AB: the rule's,
 // capped at the largest candidate; standard: 128) and the K split. n and k do not enter the
 // token tile: whatever the weight shape, a second token tile of an expert streams all of its
@@ -279,9 +306,11 @@ inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
     const int64_t pair_units =
         expected_units(swapab_pair_config(c.dtype, c.block_t), m_total, num_experts, n);
     if (use_warpgroup_pair(units, c.k_splits, pair_units, k_tiles, sm_count)) {
-      return swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
+      c = swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
     }
   }
+  c.grid = persistent_grid(c, m_total, num_experts, n, sm_count);
+  c.evict_first = c.swap_ab;
   return c;
 }
 
