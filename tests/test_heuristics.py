@@ -141,6 +141,7 @@ def rule_smem_bytes(dtype: str, block_n: int, block_t: int, stages: int,
     return align(align(stages * block_n * per_row) + align(stages * block_t * per_row)
                  + epilogue + 16 * stages + (1024 + 1) * 4)
 
+
 def rule_grid(dtype: str, m_total: int, num_experts: int, n: int, k: int,
               sm_count: int = H200_SMS) -> int:
     """The persistent grid the rule gives, computed independently of the header."""
@@ -308,16 +309,16 @@ def test_k_split_points(driver):
 
 # (dtype, m_total, num_experts, n, k) -> the persistent grid on 132 SMs.
 GRID_POINTS = [
-    ("e4m3", 2, 8, 28672, 4096, 112),  # mixtral GEMM1 at one token: 448 units, 4 x 112
+    ("e4m3", 2, 8, 28672, 4096, 112),  # mixtral GEMM1, 1 token: 448 units, 4 x 112
     ("bf16", 2, 8, 28672, 4096, 112),
-    ("e4m3", 2, 8, 4096, 14336, 132),  # its GEMM2: 128 pair units, one wave: every SM
-    ("e4m3", 4, 8, 28672, 4096, 112),  # at two tokens: 3 experts expected, 672 units, 6 x 112
-    ("bf16", 8, 8, 4096, 14336, 128),  # at four tokens: 160 units split 4 ways, 5 x 128
-    ("e4m3", 32, 8, 28672, 4096, 132),  # at 16 tokens: 1792 units, 14 waves: every SM
-    ("bf16", 8, 128, 1536, 2048, 132),  # qwen3_30b GEMM1 at one token: 96 units, one wave
-    ("bf16", 16, 128, 1536, 2048, 132),  # at two tokens: 15 experts expected, 16 may come
-    ("e4m3", 6, 8, 28672, 4096, 128),   # mixtral GEMM1 at 3 tokens: 4 experts, 896 units, 7 x 128
-    ("e4m3", 8, 8, 28672, 4096, 132),   # at 4 tokens: 5 experts, 1120 units, 9 waves
+    ("e4m3", 4, 8, 28672, 4096, 112),  # GEMM1, 2 tokens: 3 experts expected, 672 units, 6 x 112
+    ("e4m3", 6, 8, 28672, 4096, 128),  # GEMM1, 3 tokens: 4 experts, 896 units, 7 x 128
+    ("e4m3", 8, 8, 28672, 4096, 132),  # GEMM1, 4 tokens: 5 experts, 1120 units, 9 waves
+    ("e4m3", 32, 8, 28672, 4096, 132),  # GEMM1, 16 tokens: 1792 units, 14 waves
+    ("e4m3", 2, 8, 4096, 14336, 132),  # mixtral GEMM2, 1 token: 128 pair units, one wave
+    ("bf16", 8, 8, 4096, 14336, 128),  # GEMM2, 4 tokens: 160 units split 4 ways, 5 x 128
+    ("bf16", 8, 128, 1536, 2048, 132),  # qwen3_30b GEMM1, 1 token: 96 units, one wave
+    ("bf16", 16, 128, 1536, 2048, 132),  # 2 tokens: 15 experts expected, 16 may come
     ("bf16", 0, 8, 4096, 14336, 132),  # no rows
     ("bf16", 2, 8, 128, 128, 132),     # 2 units: one wave
 ]

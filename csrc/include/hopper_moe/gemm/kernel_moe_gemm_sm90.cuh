@@ -749,9 +749,10 @@ __global__ void __launch_bounds__(kThreads)
   if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
 }
 
-// Builds the TMA descriptors and launches the persistent grid (a.grid CTAs, at most one per SM,
-// no more than the launch can have units; as a programmatic dependent launch unless a.pdl is false),
-// then, with a K split, the reduction of the partial tiles (the same kind of launch).
+// Builds the TMA descriptors and launches the persistent grid (a.grid CTAs, at most one per
+// SM, no more than the launch can have units; as a programmatic dependent launch unless
+// a.pdl is false), then, with a K split, the reduction of the partial tiles (the same kind of
+// launch).
 template <class Element, bool kSwapAB, int kBlockN, int kBlockT, int kBlockK, int kStages,
           int kPromoteInterval>
 cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {

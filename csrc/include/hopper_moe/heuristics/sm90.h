@@ -37,10 +37,10 @@
 // their waves replace a K split at no loss (use_warpgroup_pair; benchmarks/NOTES.md, v20 and
 // v21: pairs of an unsplit launch with a short last wave lost in FP8).
 // Grid: from kBalanceMinWaves to kBalanceMaxWaves waves of expected units, the fewest CTAs
-// that keep the waves (persistent_grid), so that no CTA carries one unit more than the others while the rest of
-// the grid idles, and the SMs left over start the next launch. Swap-AB reads each weight tile
-// once (one token tile per expert is expected), so its weights are copied evict-first, which
-// keeps the tokens and outputs in L2 (v24).
+// that keep the waves (persistent_grid), so that no CTA carries one unit more than the others
+// while the rest of the grid idles, and the SMs left over start the next launch. Swap-AB reads
+// each weight tile once (one token tile per expert is expected), so its weights are copied
+// evict-first, which keeps the tokens and outputs in L2 (benchmarks/NOTES.md, v24 and v25).
 #pragma once
 
 #include <cmath>
@@ -260,7 +260,7 @@ inline int balanced_grid(int64_t units, int sm_count) {
 
 // The persistent grid of a launch of config c: balanced (balanced_grid of its expected units)
 // from kBalanceMinWaves to kBalanceMaxWaves waves, every SM otherwise (benchmarks/NOTES.md,
-// v24). At 4 waves the short last wave of a full grid costs the most (mixtral GEMM1 at one
+// v24 and v25). At 4 waves the short last wave of a full grid costs the most (mixtral GEMM1 at one
 // token: -3 us in FP8, -5 in bf16 on 112 CTAs). Past 8 it costs little (at 14 waves FP8 lost
 // 2 us on 128 CTAs). Below 4 the balanced grid can drop to half the SMs (133 units: 67 CTAs),
 // too few to pull HBM's bandwidth, and to one wave of exactly the expected units, where one
