@@ -14,7 +14,7 @@ Warpgroup pair (swap-AB token tiles 16 and 32): 64-row units, never split, u2 = 
 max(A, token tiles) of them, taking ceil(u2 / sm_count) / 2 waves: chosen only where the full
 units need a K split, u2 needs none, and those waves are no longer than the full units' with
 their split; up to 24 stages.
-Grid: the launch's expected units u (pair units, or full units times the split) on
+Grid: a swap-AB launch's expected units u (pair units, or full units times the split) on
 ceil(u / ceil(u / sm_count)) CTAs when 4 <= ceil(u / sm_count) <= 8 waves, else sm_count. Weight
 copies are evict-first in the swap-AB mapping only.
 """
@@ -151,7 +151,7 @@ def rule_grid(dtype: str, m_total: int, num_experts: int, n: int, k: int,
         units = rule_units(dtype, m_total, num_experts, n) * rule_k_splits(
             dtype, m_total, num_experts, n, k, sm_count)
     w = -(-units // sm_count)
-    if units <= 0 or not 4 <= w <= 8:
+    if not rule_swap_ab(dtype, m_total, num_experts) or units <= 0 or not 4 <= w <= 8:
         return sm_count
     return -(-units // w)
 
@@ -319,6 +319,7 @@ GRID_POINTS = [
     ("bf16", 8, 8, 4096, 14336, 128),  # GEMM2, 4 tokens: 160 units split 4 ways, 5 x 128
     ("bf16", 8, 128, 1536, 2048, 132),  # qwen3_30b GEMM1, 1 token: 96 units, one wave
     ("bf16", 16, 128, 1536, 2048, 132),  # 2 tokens: 15 experts expected, 16 may come
+    ("bf16", 1024, 8, 28672, 4096, 132),  # mixtral GEMM1, 512 tokens: standard, 7 waves
     ("bf16", 0, 8, 4096, 14336, 132),  # no rows
     ("bf16", 2, 8, 128, 128, 132),     # 2 units: one wave
 ]

@@ -36,8 +36,8 @@
 // Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, only where
 // their waves replace a K split at no loss (use_warpgroup_pair; benchmarks/NOTES.md, v20 and
 // v21: pairs of an unsplit launch with a short last wave lost in FP8).
-// Grid: from kBalanceMinWaves to kBalanceMaxWaves waves of expected units, the fewest CTAs
-// that keep the waves (persistent_grid), so that no CTA carries one unit more than the others
+// Grid: swap-AB launches of kBalanceMinWaves to kBalanceMaxWaves waves of expected units get
+// the fewest CTAs that keep the waves (persistent_grid), so that no CTA carries one unit more than the others
 // while the rest of the grid idles, and the SMs left over start the next launch. Swap-AB reads
 // each weight tile once (one token tile per expert is expected), so its weights are copied
 // evict-first, which keeps the tokens and outputs in L2 (benchmarks/NOTES.md, v24 and v25).
@@ -265,11 +265,12 @@ inline int balanced_grid(int64_t units, int sm_count) {
 // 2 us on 128 CTAs). Below 4 the balanced grid can drop to half the SMs (133 units: 67 CTAs),
 // too few to pull HBM's bandwidth, and to one wave of exactly the expected units, where one
 // more expert than expected would take a second wave; from 4 waves up it keeps at least 3/4
-// of the SMs.
+// of the SMs. Swap-AB only: the standard mapping's launches (prefill) with 4-8 waves have not
+// been measured balanced, and keep every SM.
 inline int persistent_grid(const GroupedGemmConfig& c, int64_t m_total, int num_experts, int n,
                            int sm_count) {
   const int64_t units = expected_units(c, m_total, num_experts, n);
-  if (units <= 0 || sm_count <= 0) return sm_count;
+  if (!c.swap_ab || units <= 0 || sm_count <= 0) return sm_count;
   const int64_t waves = (units + sm_count - 1) / sm_count;
   if (waves < kBalanceMinWaves || waves > kBalanceMaxWaves) return sm_count;
   return balanced_grid(units, sm_count);
