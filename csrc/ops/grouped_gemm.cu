@@ -58,6 +58,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
       a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
                                        : heuristics::GemmDtype::kE4m3,
       a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount);
+  bool regrid = false;  // an override below edited the config's tiles or K split
   // HOPPER_MOE_CUTE_MAPPING=swap_ab|standard and HOPPER_MOE_CUTE_K_SPLITS=s (1..8) replace
   // the heuristic's mapping and K split, for measuring them.
   if (const char* env = std::getenv("HOPPER_MOE_CUTE_MAPPING"); env != nullptr && *env) {
@@ -83,6 +84,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
       const int splits = config.k_splits;
       config = heuristics::swapab_pair_config(config.dtype, config.block_t);
       config.k_splits = splits;
+      regrid = true;
     }
   }
   if (const char* env = std::getenv("HOPPER_MOE_CUTE_K_SPLITS"); env != nullptr && *env) {
@@ -91,25 +93,28 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
              "HOPPER_MOE_CUTE_K_SPLITS must be in [1, ", heuristics::kMaxKSplits, "] (got '",
              env, "')");
     config.k_splits = s;
+    regrid = true;
   }
-  // The grid and the cache policy of the config after the overrides above; for measuring
-  // them, HOPPER_MOE_CUTE_BALANCE=0 gives the launch every SM, =1 the balanced grid
-  // (heuristics::balanced_grid) at any wave count, and HOPPER_MOE_CUTE_EVICT_FIRST=0/1 sets
-  // the weights' policy. HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000): CTA b's producer issues its
-  // first copies ~b x t ns late (gemm::MoeGemmArgs::start_stagger_ns).
+  // An override that edited the config's tiles or split also moves its grid and cache policy.
   const int sm_count = prop->multiProcessorCount;
-  const int balance = env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, -1);
-  if (balance == 0) {
-    config.grid = sm_count;
-  } else if (balance == 1) {
-    config.grid = heuristics::balanced_grid(
-        heuristics::expected_units(config, a.size(0), int(b.size(0)), int(b.size(1))), sm_count);
-  } else {
-    config.grid = heuristics::persistent_grid(config, a.size(0), int(b.size(0)), int(b.size(1)),
-                                              sm_count);
+  if (regrid) {
+    heuristics::set_grid_and_policy(config, a.size(0), int(b.size(0)), int(b.size(1)), sm_count);
+  }
+  // For measuring: HOPPER_MOE_CUTE_BALANCE=0 gives the launch every SM, =1 the balanced grid
+  // (heuristics::balanced_grid) at any wave count, HOPPER_MOE_CUTE_EVICT_FIRST=0/1 sets the
+  // weights' policy, and HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000) makes CTA b's producer issue
+  // its first copies ~b x t ns late (gemm::MoeGemmArgs::start_stagger_ns).
+  switch (env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, -1)) {
+    case 0: config.grid = sm_count; break;
+    case 1:
+      config.grid = heuristics::balanced_grid(
+          heuristics::expected_units(config, a.size(0), int(b.size(0)), int(b.size(1))),
+          sm_count);
+      break;
+    default: break;  // unset: the heuristic's
   }
   config.evict_first =
-      env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, int(config.swap_ab)) == 1;
+      env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, int(config.evict_first)) == 1;
   const int start_stagger_ns = env_int(kOp, "HOPPER_MOE_CUTE_STAGGER_NS", 0, 2000, 0);
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).

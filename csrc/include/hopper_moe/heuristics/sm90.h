@@ -276,6 +276,14 @@ inline int persistent_grid(const GroupedGemmConfig& c, int64_t m_total, int num_
   return balanced_grid(units, sm_count);
 }
 
+// The launch-time parts of config c that follow from its mapping, tiles and K split: the
+// persistent grid and the weights' cache policy (evict-first where each tile is read once).
+inline void set_grid_and_policy(GroupedGemmConfig& c, int64_t m_total, int num_experts, int n,
+                                int sm_count) {
+  c.grid = persistent_grid(c, m_total, num_experts, n, sm_count);
+  c.evict_first = c.swap_ab;
+}
+
 // The config for one launch in the given mapping: the token tile (swap-AB: the rule's,
 // capped at the largest candidate; standard: 128) and the K split. n and k do not enter the
 // token tile: whatever the weight shape, a second token tile of an expert streams all of its
@@ -310,8 +318,7 @@ inline GroupedGemmConfig grouped_gemm_config_sm90(GemmDtype dtype, bool swap_ab,
       c = swapab_pair_config(c.dtype, c.block_t);  // k_splits = 1
     }
   }
-  c.grid = persistent_grid(c, m_total, num_experts, n, sm_count);
-  c.evict_first = c.swap_ab;
+  set_grid_and_policy(c, m_total, num_experts, n, sm_count);
   return c;
 }
 
