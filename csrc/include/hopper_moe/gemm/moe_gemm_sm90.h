@@ -80,8 +80,8 @@ cudaError_t moe_gemm_sm90(const MoeGemmArgs& args, const heuristics::GroupedGemm
                           cudaStream_t stream);
 
 // Swap-AB with one token tile of heuristics::kTokenTilesBf16 / kTokenTilesE4m3, its warpgroup
-// pair with one of heuristics::kPairTokenTiles, and the standard mapping, per dtype: explicitly instantiated in csrc/instantiations/ (defined in
-// kernel_moe_gemm_sm90.cuh).
+// pair with one of heuristics::kPairTokenTiles, and the standard mapping, per dtype:
+// explicitly instantiated in csrc/instantiations/ (defined in kernel_moe_gemm_sm90.cuh).
 template <heuristics::GemmDtype kDtype, int kBlockT>
 cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 template <heuristics::GemmDtype kDtype, int kBlockT>
