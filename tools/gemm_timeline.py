@@ -1,21 +1,20 @@
 """Where a GEMM-only replay's time goes, CTA by CTA: the grouped GEMM's timeline stamps.
 
-Needs an extension built with the stamps compiled in (a diagnosis build: see below for what
-its printf perturbs):
+Needs an extension built with the stamps compiled in (a diagnosis build):
 
     HOPPER_MOE_NVCC_FLAGS=-DHOPPER_MOE_GEMM_TIMELINE python setup.py build_ext --inplace
     PYTHONPATH=python python tools/gemm_timeline.py --shape mixtral --dtype fp8_tensor --m 1
 
 One eager call of bench_moe.py's GEMM-only pair (the row's inputs and routing), after the
-benchmark's L2 eviction (--evict write or clean), with the device's printf captured. Each CTA
-of each launch reports %globaltimer (ns) at its start, when its prefix table is ready, after
-its producer's wait for the previous kernel, when the producer has issued its last copy, at
-its first k-tile's arrival and at the start of each unit. Printed per launch, relative to the
-first launch's earliest start, in microseconds: min / median / max over the CTAs of each stamp,
-the units per CTA, and the spans that matter for the floor (first byte, the last wave, the
-overlap with the next launch). `--raw FILE` keeps the lines. A CTA's printf at its end
-delays the CTAs and launches after it: the stamps up to a launch's first CTA end are the
-undisturbed ones.
+benchmark's L2 eviction (--evict write or clean). Each CTA of each launch stores
+%globaltimer (ns) at its start, when its prefix table is ready, after its producer's wait for
+the previous kernel, when the producer has issued its last copy, at its first k-tile's
+arrival and at the start of each unit, as one row of the launch's record (plain stores at the
+CTA's end, which hold back no later launch; `torch.ops.hopper_moe._gemm_timeline()` returns
+the records since the last read, one per launch, and clears them). Printed per launch,
+relative to the first launch's earliest start, in microseconds: min / median / max over the
+CTAs of each stamp, the units per CTA, and the spans that matter for the floor (first byte,
+the last wave, the overlap with the next launch). `--raw FILE` keeps the records (torch.save).
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 
 import torch
@@ -34,31 +32,39 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_moe  # noqa: E402
 import common as C  # noqa: E402
 
-LINE = re.compile(r"HMTL (?P<kind>[PC]) (?P<fields>.*)")
+# A CTA's row (gemm::TimelineField in csrc/include/hopper_moe/gemm/moe_gemm_sm90.h): the
+# producer's marker, the launch's shape and the producer's stamps, then the consumers' marker,
+# first k-tile, units, the first UNITS units' starts and end.
+UNITS = 8
+PRODUCER = ("marker_p", "n", "k", "silu", "splits", "grid", "cta", "sm", "start", "ready",
+            "waited", "issued")
+CONSUMER = ("marker_c", "first", "units") + tuple(f"u{j}" for j in range(UNITS)) + ("end",)
+FIELDS = PRODUCER + CONSUMER
 
 
-def parse(text: str) -> dict[tuple, dict[int, dict[str, int]]]:
-    """{launch key (n, k, silu, splits, grid): {cta: {stamp: ns}}} from the stamps' lines."""
+def parse(records) -> dict[tuple, dict[int, dict[str, int]]]:
+    """{launch key (n, k, silu, splits, grid): {cta: {stamp: ns}}} from the records
+    ([launches, max CTAs, len(FIELDS)] int64, as _gemm_timeline returns them)."""
     launches: dict[tuple, dict[int, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
-    for line in text.splitlines():
-        m = LINE.search(line)
-        if not m:
-            continue
-        kv = dict(item.split("=", 1) for item in m.group("fields").split())
-        key = tuple(int(kv[f]) for f in ("n", "k", "silu", "splits", "grid"))
-        cta = launches[key][int(kv["cta"])]
-        cta["sm"] = int(kv["sm"])
-        if m.group("kind") == "P":
-            for f in ("start", "ready", "waited", "issued"):
-                cta[f] = int(kv[f])
-        else:
-            if int(kv["first"]):  # 0: the CTA had no unit
-                cta["first"] = int(kv["first"])
-            cta["end"] = int(kv["end"])
-            cta["units"] = int(kv["units"])
-            for j, t in enumerate(kv["u"].split(",")):
-                if int(t):
-                    cta[f"u{j}"] = int(t)
+    rows = records.tolist() if hasattr(records, "tolist") else records
+    for launch in rows:
+        for row in launch:
+            f = dict(zip(FIELDS, (int(v) for v in row)))
+            if not f["marker_p"]:
+                continue  # no CTA of that index in the launch
+            key = tuple(f[name] for name in ("n", "k", "silu", "splits", "grid"))
+            cta = launches[key][f["cta"]]
+            cta["sm"] = f["sm"]
+            for name in ("start", "ready", "waited", "issued"):
+                cta[name] = f[name]
+            if f["marker_c"]:
+                if f["first"]:  # 0: the CTA had no unit
+                    cta["first"] = f["first"]
+                cta["end"] = f["end"]
+                cta["units"] = f["units"]
+                for j in range(UNITS):
+                    if f[f"u{j}"]:
+                        cta[f"u{j}"] = f[f"u{j}"]
     return launches
 
 
@@ -70,7 +76,7 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 def report(launches: dict[tuple, dict[int, dict[str, int]]]) -> str:
     """The per-launch table, in order of the launches' first start."""
     if not launches:
-        return "no timeline lines: is the extension built with -DHOPPER_MOE_GEMM_TIMELINE?"
+        return "no timeline records: is the extension built with -DHOPPER_MOE_GEMM_TIMELINE?"
     order = sorted(launches, key=lambda k: min(c.get("start", 1 << 62)
                                                for c in launches[k].values()))
     t0 = min(c["start"] for c in launches[order[0]].values() if "start" in c)
@@ -112,27 +118,16 @@ def report(launches: dict[tuple, dict[int, dict[str, int]]]) -> str:
     return "\n".join(out)
 
 
-def run_once(fn, evict) -> str:
-    """One call of fn after the eviction, with the device's printf (fd 1) captured. Lines the
-    device flushes late (a previous call's, at this call's first synchronize) come first and
-    are overwritten by this call's lines of the same CTA in parse()."""
+def run_once(fn, evict):
+    """One call of fn after the eviction: the timeline records of its launches."""
     torch.cuda.synchronize()
     if evict is not None:
         evict()
     torch.cuda.synchronize()
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 1)
-        try:
-            fn()
-            torch.cuda.synchronize()
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-        tmp.seek(0)
-        return tmp.read().decode(errors="replace")
+    torch.ops.hopper_moe._gemm_timeline()  # drops what earlier launches recorded
+    fn()
+    torch.cuda.synchronize()
+    return torch.ops.hopper_moe._gemm_timeline()
 
 
 def main(argv=None) -> int:
@@ -142,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--evict", default="clean", choices=("write", "clean", "none"))
     p.add_argument("--seed", type=int, default=0, help="bench_moe.py's seed")
-    p.add_argument("--raw", help="also write the stamps' lines to this file")
+    p.add_argument("--raw", help="also save the records to this file (torch.save)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemm_timeline: needs a GPU")
@@ -161,17 +156,20 @@ def main(argv=None) -> int:
     if fn is None:
         print(f"gemm_timeline: no GEMM-only pair: {how}")
         return 1
+    if not hasattr(torch.ops.hopper_moe, "_gemm_timeline"):
+        print("gemm_timeline: the extension has no timeline: build it with "
+              "HOPPER_MOE_NVCC_FLAGS=-DHOPPER_MOE_GEMM_TIMELINE")
+        return 1
     evict = C.make_evictor(args.evict, device)
     for _ in range(3):
-        run_once(fn, evict)  # warm-up (handles, descriptors), output dropped
-    text = run_once(fn, evict)
+        run_once(fn, evict)  # warm-up (handles, descriptors), records dropped
+    records = run_once(fn, evict)
     if args.raw:
-        with open(args.raw, "w") as f:
-            f.write(text)
+        torch.save(records, args.raw)
     bw = C.measure_ceilings(device, quick=True).copy_bw
     print(f"# {args.shape} {args.dtype} M={args.m} GEMM-only ({how}), L2 eviction {args.evict}; "
           f"{touched} experts, floor {nbytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s")
-    print(report(parse(text)))
+    print(report(parse(records)))
     return 0
 
 

@@ -20,6 +20,10 @@
 #include "hopper_moe/heuristics/sm90.h"
 #include "ops.h"
 
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+#include <torch/library.h>
+#endif
+
 namespace hopper_moe::cuda {
 
 namespace {
@@ -35,6 +39,40 @@ int env_int(const char* kOp, const char* name, long lo, long hi, int fallback) {
            " must be an integer in [", lo, ", ", hi, "] (got '", env, "')");
   return int(v);
 }
+
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+// Diagnosis builds: the timeline records of the launches (gemm::TimelineField rows, one per
+// CTA), kTimelineSlots launches deep from the last read; hopper_moe::_gemm_timeline returns
+// them and clears them (tools/gemm_timeline.py). Launches past the last slot are not recorded.
+constexpr int kTimelineSlots = 8;
+constexpr int kTimelineMaxCtas = 1024;
+struct TimelineRecords {
+  at::Tensor rows;  // [kTimelineSlots, kTimelineMaxCtas, kTimelineFields] int64 (device)
+  int used = 0;
+};
+TimelineRecords& timeline_records() {
+  static auto* records = new TimelineRecords();  // never destroyed: no CUDA call at exit
+  return *records;
+}
+int64_t* timeline_slot(const at::Tensor& like, int grid) {
+  TimelineRecords& r = timeline_records();
+  if (!r.rows.defined() || r.rows.device() != like.device()) {
+    r.rows = at::zeros({kTimelineSlots, kTimelineMaxCtas, gemm::kTimelineFields},
+                       like.options().dtype(at::kLong));
+    r.used = 0;
+  }
+  if (grid > kTimelineMaxCtas || r.used >= kTimelineSlots) return nullptr;
+  return r.rows[r.used++].data_ptr<int64_t>();
+}
+at::Tensor gemm_timeline() {
+  TimelineRecords& r = timeline_records();
+  if (!r.rows.defined()) return at::zeros({0, kTimelineMaxCtas, gemm::kTimelineFields}, at::kLong);
+  at::Tensor out = r.rows.narrow(0, 0, r.used).cpu();  // after the stream's work so far
+  r.rows.zero_();
+  r.used = 0;
+  return out;
+}
+#endif
 
 // The launch shared by both ops (arguments checked by the caller): the config from the
 // heuristic and the overrides, the K split's workspace, the kernel.
@@ -154,6 +192,9 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.offsets_ready = offsets_ready;
   args.start_stagger_ns = start_stagger_ns;
   args.evict_first_weights = config.evict_first;
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+  args.timeline = timeline_slot(a, config.grid);
+#endif
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));
@@ -201,3 +242,9 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
 }
 
 }  // namespace hopper_moe::cuda
+
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+TORCH_LIBRARY_FRAGMENT(hopper_moe, m) {
+  m.def("_gemm_timeline() -> Tensor", &hopper_moe::cuda::gemm_timeline);
+}
+#endif

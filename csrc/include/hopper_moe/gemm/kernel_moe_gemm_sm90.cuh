@@ -194,6 +194,9 @@ struct MoeGemmParams {
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
   int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+  int64_t* timeline;  // [gridDim.x, kTimelineFields] stamps of this launch (or null)
+#endif
 };
 
 // One work unit, decoded the same way by the producer and the consumers.
@@ -294,13 +297,14 @@ CUTLASS_DEVICE void fold_amax_scale(const MoeGemmParams& p, float amax) {
 // (tools/gemm_timeline.py): %globaltimer stamps (ns) at the kernel's start, when the prefix
 // table is ready, after the producer's wait for the previous kernel, when it has issued its
 // last copy, at the first k-tile's arrival and at the start of each of the first
-// kTimelineUnits units, printed once per CTA as it ends. Off, the kernel is unchanged.
+// kTimelineUnits units, stored by each CTA as it ends into its row of the launch's record
+// (MoeGemmParams::timeline; plain stores, so the launches after it are not held back as a
+// printf's would be). Off, the kernel is unchanged.
 #ifdef HOPPER_MOE_GEMM_TIMELINE
 #define HM_TIMELINE(...) __VA_ARGS__
 #else
 #define HM_TIMELINE(...)
 #endif
-inline constexpr int kTimelineUnits = 8;
 CUTLASS_DEVICE uint64_t timeline_now() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -469,12 +473,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           ++write;
         }
       }
-      HM_TIMELINE(printf("HMTL P n=%d k=%d silu=%d splits=%d grid=%d cta=%d sm=%u start=%llu "
-                         "ready=%llu waited=%llu issued=%llu\n", p.n, p.k, int(p.silu_mul),
-                         p.k_splits, int(gridDim.x), int(blockIdx.x), timeline_sm(),
-                         (unsigned long long)tl_start, (unsigned long long)tl_ready,
-                         (unsigned long long)tl_waited,
-                         (unsigned long long)timeline_now());)
+      HM_TIMELINE(if (p.timeline != nullptr) {
+        int64_t* row = p.timeline + int64_t(blockIdx.x) * kTimelineFields;
+        row[kTlIssued] = int64_t(timeline_now());
+        row[kTlN] = p.n;
+        row[kTlK] = p.k;
+        row[kTlSilu] = p.silu_mul;
+        row[kTlSplits] = p.k_splits;
+        row[kTlGrid] = gridDim.x;
+        row[kTlCta] = blockIdx.x;
+        row[kTlSm] = timeline_sm();
+        row[kTlStart] = int64_t(tl_start);
+        row[kTlReady] = int64_t(tl_ready);
+        row[kTlWaited] = int64_t(tl_waited);
+        row[kTlProducer] = 1;
+      })
     }
     return;
   }
@@ -682,15 +695,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
   }
-  HM_TIMELINE(if (ct == 0) {
-    printf("HMTL C n=%d k=%d silu=%d splits=%d grid=%d cta=%d sm=%u first=%llu units=%d "
-           "u=%llu,%llu,%llu,%llu,%llu,%llu,%llu,%llu end=%llu\n", p.n, p.k, int(p.silu_mul),
-           p.k_splits, int(gridDim.x), int(blockIdx.x), timeline_sm(),
-           (unsigned long long)tl_first, tl_units, (unsigned long long)tl_unit[0],
-           (unsigned long long)tl_unit[1], (unsigned long long)tl_unit[2],
-           (unsigned long long)tl_unit[3], (unsigned long long)tl_unit[4],
-           (unsigned long long)tl_unit[5], (unsigned long long)tl_unit[6],
-           (unsigned long long)tl_unit[7], (unsigned long long)timeline_now());
+  HM_TIMELINE(if (ct == 0 && p.timeline != nullptr) {
+    int64_t* row = p.timeline + int64_t(blockIdx.x) * kTimelineFields;
+    row[kTlFirst] = int64_t(tl_first);
+    row[kTlUnits] = tl_units;
+    for (int j = 0; j < kTimelineUnits; ++j) row[kTlUnit0 + j] = int64_t(tl_unit[j]);
+    row[kTlEnd] = int64_t(timeline_now());
+    row[kTlConsumer] = 1;
   })
 }
 
@@ -790,7 +801,11 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0,
                   uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
-                                                 : TMA::CacheHintSm90::EVICT_NORMAL)};
+                                                 : TMA::CacheHintSm90::EVICT_NORMAL)
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+                  , a.timeline
+#endif
+  };
   auto kernel = &moe_gemm_sm90_kernel<Config, kSwapAB, kBlockN, kBlockT, kBlockK, kStages,
                                       kPromoteInterval, decltype(tma_a), decltype(tma_b)>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -31,6 +31,19 @@ namespace hopper_moe::gemm {
 
 enum class ScaleMode : int { kNone = 0, kPerTensor = 1, kPerRow = 2 };
 
+// The per-CTA timeline of diagnosis builds (-DHOPPER_MOE_GEMM_TIMELINE; kernel_moe_gemm_sm90.cuh,
+// tools/gemm_timeline.py): one row of kTimelineFields int64 per CTA of a launch, the
+// producer's fields (its marker first, then the launch's shape and its stamps), then the
+// consumers' (marker, first k-tile, units, the first kTimelineUnits units' starts, end).
+inline constexpr int kTimelineUnits = 8;
+enum TimelineField : int {
+  kTlProducer = 0, kTlN, kTlK, kTlSilu, kTlSplits, kTlGrid, kTlCta, kTlSm, kTlStart, kTlReady,
+  kTlWaited, kTlIssued,
+  kTlConsumer, kTlFirst, kTlUnits, kTlUnit0,
+  kTlEnd = kTlUnit0 + kTimelineUnits,
+  kTimelineFields
+};
+
 struct MoeGemmArgs {
   const void* x = nullptr;            // [m_total, K]
   const void* w = nullptr;            // [E, N, K]
@@ -72,6 +85,11 @@ struct MoeGemmArgs {
   int start_stagger_ns = 0;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
+#ifdef HOPPER_MOE_GEMM_TIMELINE
+  // Diagnosis builds: [grid, kTimelineFields] int64 stamps of the launch (or null;
+  // kernel_moe_gemm_sm90.cuh, tools/gemm_timeline.py).
+  int64_t* timeline = nullptr;
+#endif
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
