@@ -28,8 +28,7 @@
 //     consumers run an epilogue.
 //   Programmatic dependent launch: every CTA lets the next kernel start at once; with
 //     offsets_ready the producer requests the first kStages weight tiles before waiting for
-//     the previous kernel (griddepcontrol.wait), the token tiles after it, and in a launch of
-//     at most one unit per CTA the next l2_prefetch_tiles weight tiles into L2 as well.
+//     the previous kernel (griddepcontrol.wait), the token tiles after it.
 //   warpgroups 1-2, the consumers (setmaxnreg up to 232): each issues the wgmma of its 64 rows
 //     of the A tile x the whole B tile from shared memory and keeps one k-tile's batch in
 //     flight: after issuing k-tile i it waits for i - 1's and releases that slot (empty[s],
@@ -195,7 +194,6 @@ struct MoeGemmParams {
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
   int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
-  int l2_prefetch_tiles;  // one unit per CTA: weight k-tiles past the ring prefetched into L2
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   int64_t* timeline;  // [gridDim.x, kTimelineFields] stamps of this launch (or null)
 #endif
@@ -422,21 +420,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90(p.weight_cache_hint)), tg, ts);
         }
       };
-      // The same boxes into L2 only (cp.async.bulk.prefetch.tensor: no barrier, no shared
-      // memory; the shared tensor gives the partition its layout only).
-      const auto prefetch_weights = [&](const MoeGemmUnit& u, int kt) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int r = p.silu_mul ? (h == 0 ? u.n0 : p.act_n + u.n0) : u.n0 + h * kWeightBox;
-          Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + r, 0), mW),
-                                 make_shape(Int<kWeightBox>{}, Int<kBlockK>{}),
-                                 make_coord(0, kt));  // (BOX,BLK_K)
-          Tensor sW = make_tensor(make_smem_ptr(w_ring), typename Config::SmemLayoutWBox{});
-          auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                        group_modes<0, 2>(gW));
-          cute::prefetch(tma_w, tg);
-        }
-      };
       const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
         Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
                                make_shape(Int<kTileX>{}, Int<kBlockK>{}),
@@ -470,15 +453,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             copy_weights(u, kt, s);
             ++ahead;
           }
-        }
-        // One unit per CTA (its only one, so the ring holds its first tiles): the next
-        // l2_prefetch_tiles k-tiles' weights go to L2 while the previous kernel runs, which
-        // is otherwise idle time for this CTA (benchmarks/NOTES.md, v27).
-        if (p.l2_prefetch_tiles > 0 && units <= int64_t(gridDim.x) && blockIdx.x < units) {
-          const MoeGemmUnit u = decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(
-              p, smem.tile_prefix, n_tiles, blockIdx.x);
-          const int kt_end = cute::min(u.kt_end, u.kt_begin + prefetched + p.l2_prefetch_tiles);
-          for (int kt = u.kt_begin + prefetched; kt < kt_end; ++kt) prefetch_weights(u, kt);
         }
       }
       pdl::wait_for_prerequisites();
@@ -827,8 +801,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0,
                   uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
-                                                 : TMA::CacheHintSm90::EVICT_NORMAL),
-                  a.l2_prefetch_tiles > 0 ? a.l2_prefetch_tiles : 0
+                                                 : TMA::CacheHintSm90::EVICT_NORMAL)
 #ifdef HOPPER_MOE_GEMM_TIMELINE
                   , a.timeline
 #endif

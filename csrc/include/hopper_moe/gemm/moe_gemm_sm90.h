@@ -85,10 +85,6 @@ struct MoeGemmArgs {
   int start_stagger_ns = 0;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
-  // With offsets_ready, in a launch of at most one unit per CTA, each CTA also requests its
-  // next l2_prefetch_tiles weight k-tiles past the ring into L2 before the previous kernel
-  // completes (config.l2_prefetch_tiles).
-  int l2_prefetch_tiles = 0;
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   // Diagnosis builds: [grid, kTimelineFields] int64 stamps of the launch (or null;
   // kernel_moe_gemm_sm90.cuh, tools/gemm_timeline.py).

@@ -73,7 +73,6 @@ inline constexpr int kKSplitMaxWaves = 2;  // launches with more units never spl
 inline constexpr int kKSplitSlackPct = 3;  // a split must buy more than this much time
 inline constexpr int kBalanceMinWaves = 4;  // launches with fewer waves keep every SM,
 inline constexpr int kBalanceMaxWaves = 8;  // and so do those with more
-inline constexpr int kL2PrefetchBytes = 64 * 1024;  // per CTA of a one-wave swap-AB launch
 
 // One instantiation of the swap-AB kernel: its template arguments and shared memory.
 struct GroupedGemmConfig {
@@ -88,7 +87,6 @@ struct GroupedGemmConfig {
   bool swap_ab = true;       // weights on wgmma's A side (else the tokens)
   int grid = 0;              // CTAs of the persistent grid, at most (persistent_grid)
   bool evict_first = false;  // weight copies evict-first in L2 (each is read once: swap-AB)
-  int l2_prefetch_tiles = 0;  // one-wave launches: weight k-tiles past the ring into L2 early
   // Swap-AB with block_n = kPairBlockN: the two consumer warpgroups share one 64-row weight
   // tile and take alternate k-tiles, adding their sums in the epilogue (warpgroup_pair()).
   constexpr bool pair() const { return swap_ab && block_n == kPairBlockN; }
@@ -100,8 +98,7 @@ struct GroupedGemmConfig {
            " promote_interval=" + std::to_string(promote_interval) +
            " pair=" + std::to_string(int(pair())) +
            " smem_bytes=" + std::to_string(smem_bytes) + " k_splits=" + std::to_string(k_splits) +
-           " grid=" + std::to_string(grid) + " evict_first=" + std::to_string(int(evict_first)) +
-           " l2_prefetch_tiles=" + std::to_string(l2_prefetch_tiles);
+           " grid=" + std::to_string(grid) + " evict_first=" + std::to_string(int(evict_first));
   }
 };
 
@@ -279,24 +276,12 @@ inline int persistent_grid(const GroupedGemmConfig& c, int64_t m_total, int num_
   return balanced_grid(units, sm_count);
 }
 
-// Weight k-tiles a swap-AB CTA requests into L2 past its ring before the previous kernel
-// completes, kL2PrefetchBytes of them (benchmarks/NOTES.md, v27). The kernel issues them only
-// in a launch of at most one unit per CTA (mixtral GEMM2 at one token): there each CTA has
-// nothing else to fetch until the previous kernel is done, and the lines are its own next
-// loads. With more units per CTA the prefetches went out next to the CTA's own loads and lost
-// at every row (v24). The standard mapping re-reads its weights, and prefetches none.
-constexpr int l2_prefetch_tiles(const GroupedGemmConfig& c) {
-  return c.swap_ab ? kL2PrefetchBytes / (c.block_n * c.block_k * element_bytes(c.dtype)) : 0;
-}
-
 // The launch-time parts of config c that follow from its mapping, tiles and K split: the
-// persistent grid, the weights' cache policy (evict-first where each tile is read once) and
-// the L2 prefetch.
+// persistent grid and the weights' cache policy (evict-first where each tile is read once).
 inline void set_grid_and_policy(GroupedGemmConfig& c, int64_t m_total, int num_experts, int n,
                                 int sm_count) {
   c.grid = persistent_grid(c, m_total, num_experts, n, sm_count);
   c.evict_first = c.swap_ab;
-  c.l2_prefetch_tiles = l2_prefetch_tiles(c);
 }
 
 // The config for one launch in the given mapping: the token tile (swap-AB: the rule's,
