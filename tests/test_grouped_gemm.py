@@ -487,10 +487,9 @@ MEASURING_KNOBS = {
     "HOPPER_MOE_CUTE_STAGGER_NS": ("50", "2000"),
     "HOPPER_MOE_CUTE_EVICT_FIRST": ("0", "1"),
     "HOPPER_MOE_CUTE_BALANCE": ("0", "1"),
-    "HOPPER_MOE_CUTE_L2_AHEAD": ("1", "8", "64"),
 }
 KNOB_RANGES = {"HOPPER_MOE_CUTE_STAGGER_NS": (0, 2000), "HOPPER_MOE_CUTE_EVICT_FIRST": (0, 1),
-               "HOPPER_MOE_CUTE_BALANCE": (0, 1), "HOPPER_MOE_CUTE_L2_AHEAD": (0, 64)}
+               "HOPPER_MOE_CUTE_BALANCE": (0, 1)}
 
 
 @gpu
@@ -500,10 +499,9 @@ KNOB_RANGES = {"HOPPER_MOE_CUTE_STAGGER_NS": (0, 2000), "HOPPER_MOE_CUTE_EVICT_F
 @pytest.mark.parametrize("knob", sorted(MEASURING_KNOBS))
 @PAIRS
 def test_cuda_measuring_knob_changes_no_bit(dtype, a_mode, b_mode, knob, pair, monkeypatch):
-    """A staggered start (up to the 20 us cap), either L2 policy for the weights, the
-    balanced or the full grid at any wave count and an L2 look-ahead of 1 to 64 k-tiles
-    (past the end of a unit and of the CTA's work) give the default launch's outputs bit for
-    bit, with and without a K split and through the offsets_ready prefetch."""
+    """A staggered start (up to the 20 us cap), either L2 policy for the weights and the
+    balanced or the full grid at any wave count give the default launch's outputs bit for bit,
+    with and without a K split and through the offsets_ready prefetch."""
     use_pair(monkeypatch, pair)
     a, b, offs, sa, sb = make_problem([5, 0, 40, 1, 17], 520, 4112, dtype, a_mode, b_mode,
                                       seed=23, device="cuda")

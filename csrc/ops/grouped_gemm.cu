@@ -140,10 +140,8 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   }
   // For measuring: HOPPER_MOE_CUTE_BALANCE=0 gives the launch every SM, =1 the balanced grid
   // (heuristics::balanced_grid) at any wave count, HOPPER_MOE_CUTE_EVICT_FIRST=0/1 sets the
-  // weights' policy, HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000) makes CTA b's producer issue
-  // its first copies ~b x t ns late (gemm::MoeGemmArgs::start_stagger_ns), and
-  // HOPPER_MOE_CUTE_L2_AHEAD=d (0..64) makes each CTA prefetch the weights of its k-tile d
-  // further on into L2 with each weight copy (gemm::MoeGemmArgs::l2_ahead_tiles).
+  // weights' policy, and HOPPER_MOE_CUTE_STAGGER_NS=t (0..2000) makes CTA b's producer issue
+  // its first copies ~b x t ns late (gemm::MoeGemmArgs::start_stagger_ns).
   switch (env_int(kOp, "HOPPER_MOE_CUTE_BALANCE", 0, 1, -1)) {
     case 0: config.grid = sm_count; break;
     case 1:
@@ -156,7 +154,6 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   config.evict_first =
       env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, int(config.evict_first)) == 1;
   const int start_stagger_ns = env_int(kOp, "HOPPER_MOE_CUTE_STAGGER_NS", 0, 2000, 0);
-  const int l2_ahead_tiles = env_int(kOp, "HOPPER_MOE_CUTE_L2_AHEAD", 0, 64, 0);
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
@@ -195,7 +192,6 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.offsets_ready = offsets_ready;
   args.start_stagger_ns = start_stagger_ns;
   args.evict_first_weights = config.evict_first;
-  args.l2_ahead_tiles = l2_ahead_tiles;
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   args.timeline = timeline_slot(a, config.grid);
 #endif

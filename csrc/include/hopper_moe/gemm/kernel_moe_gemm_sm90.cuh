@@ -194,7 +194,6 @@ struct MoeGemmParams {
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
   int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
-  int l2_ahead_tiles;  // with each weight copy, the CTA's k-tile this far ahead into L2 (0: none)
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   int64_t* timeline;  // [gridDim.x, kTimelineFields] stamps of this launch (or null)
 #endif
@@ -421,21 +420,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90(p.weight_cache_hint)), tg, ts);
         }
       };
-      // The same boxes into L2 only (cp.async.bulk.prefetch.tensor: no barrier, no shared
-      // memory; the shared tensor gives the partition its layout only).
-      const auto prefetch_weights = [&](const MoeGemmUnit& u, int kt) {
-        CUTE_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const int r = p.silu_mul ? (h == 0 ? u.n0 : p.act_n + u.n0) : u.n0 + h * kWeightBox;
-          Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + r, 0), mW),
-                                 make_shape(Int<kWeightBox>{}, Int<kBlockK>{}),
-                                 make_coord(0, kt));  // (BOX,BLK_K)
-          Tensor sW = make_tensor(make_smem_ptr(w_ring), typename Config::SmemLayoutWBox{});
-          auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                        group_modes<0, 2>(gW));
-          cute::prefetch(tma_w, tg);
-        }
-      };
       const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
         Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
                                make_shape(Int<kTileX>{}, Int<kBlockK>{}),
@@ -473,31 +457,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
       pdl::wait_for_prerequisites();
       HM_TIMELINE(const uint64_t tl_waited = timeline_now();)
-      // L2 look-ahead (for measuring, benchmarks/NOTES.md v28): with the weight copy of the
-      // CTA's i-th k-tile (over all of its units), the weights of its (i + l2_ahead_tiles)-th
-      // go to L2. `ahead` walks the CTA's k-tiles, from i = prefetched + l2_ahead_tiles.
-      MoeGemmUnit ahead{};
-      int64_t ahead_unit = blockIdx.x;
-      int ahead_kt = 0;
-      bool ahead_live = p.l2_ahead_tiles > 0 && ahead_unit < units;
-      const auto step_ahead = [&] {
-        ++ahead_kt;
-        while (ahead_live && ahead_kt >= ahead.kt_end) {
-          ahead_unit += gridDim.x;
-          ahead_live = ahead_unit < units;
-          if (ahead_live) {
-            ahead = decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix,
-                                                                    n_tiles, ahead_unit);
-            ahead_kt = ahead.kt_begin;
-          }
-        }
-      };
-      if (ahead_live) {
-        ahead = decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles,
-                                                                ahead_unit);
-        ahead_kt = ahead.kt_begin - 1;
-        for (int i = 0; i <= prefetched + p.l2_ahead_tiles && ahead_live; ++i) step_ahead();
-      }
       cutlass::PipelineState<kStages> write(0, 1, 0);
       int issued = 0;
       for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -509,10 +468,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             EmptyBarrier::wait(&smem.empty[s], write.phase());
             FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
             copy_weights(u, kt, s);
-            if (ahead_live) {
-              prefetch_weights(ahead, ahead_kt);
-              step_ahead();
-            }
           }
           copy_tokens(u, kt, s);
           ++write;
@@ -846,8 +801,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0,
                   uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
-                                                 : TMA::CacheHintSm90::EVICT_NORMAL),
-                  a.l2_ahead_tiles > 0 ? a.l2_ahead_tiles : 0
+                                                 : TMA::CacheHintSm90::EVICT_NORMAL)
 #ifdef HOPPER_MOE_GEMM_TIMELINE
                   , a.timeline
 #endif

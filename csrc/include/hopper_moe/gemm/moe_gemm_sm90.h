@@ -85,9 +85,6 @@ struct MoeGemmArgs {
   int start_stagger_ns = 0;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
-  // For measuring: with the weight copy of each of its k-tiles, a CTA requests the weights of
-  // its k-tile l2_ahead_tiles further on (over its units) into L2.
-  int l2_ahead_tiles = 0;
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   // Diagnosis builds: [grid, kTimelineFields] int64 stamps of the launch (or null;
   // kernel_moe_gemm_sm90.cuh, tools/gemm_timeline.py).
