@@ -79,6 +79,11 @@ using OptTensor = std::optional<at::Tensor>;
                                  const at::Tensor& expert_offsets, const OptTensor& a_scales,  \
                                  const OptTensor& b_scales, const OptTensor& out_scale,        \
                                  bool offsets_ready, const OptTensor& amax_scale);             \
+  void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,             \
+                              const at::Tensor& w1, const at::Tensor& w2,                      \
+                              const at::Tensor& expert_offsets, const OptTensor& a_scales,     \
+                              const OptTensor& w1_scales, const OptTensor& h_scale,            \
+                              const OptTensor& w2_scales, bool offsets_ready);                 \
   void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,                    \
                       const at::Tensor& b_tensors, const at::Tensor& a_scales,                 \
                       const at::Tensor& b_scales, const at::Tensor& expert_offsets,            \

@@ -95,6 +95,14 @@ TORCH_LIBRARY(hopper_moe, m) {
       "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
       "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
       "Tensor(b!)? amax_scale=None) -> ()");
+  // GEMM1 then GEMM2 of a layer's experts: h = moe_grouped_gemm_silu_mul(a, w1, ...) (bf16, or
+  // e4m3 with the static h_scale), out = moe_grouped_gemm(h, w2, ...) (h_scale and w2_scales
+  // with FP8). The CUDA kernels chain: GEMM2 starts each expert's rows once GEMM1 has written
+  // them. offsets_ready as above, for the kernel before GEMM1.
+  m.def(
+      "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
+      "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
+      "Tensor? w2_scales, bool offsets_ready=False) -> ()");
   // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
   m.def(
       "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "
@@ -123,6 +131,7 @@ TORCH_LIBRARY(hopper_moe, m) {
          &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);                          \
   m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);                                          \
   m.impl("moe_grouped_gemm_silu_mul", &ns::moe_grouped_gemm_silu_mul);                        \
+  m.impl("moe_grouped_gemm_chain", &ns::moe_grouped_gemm_chain);                              \
   m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }

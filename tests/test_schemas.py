@@ -54,6 +54,9 @@ OWN = [
     "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
     "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
     "Tensor(b!)? amax_scale=None) -> ()",
+    "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
+    "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
+    "Tensor? w2_scales, bool offsets_ready=False) -> ()",
 ]
 
 

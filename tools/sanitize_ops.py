@@ -85,7 +85,8 @@ def layer_ops(T, E, K, H, I, expert_map=None, **kw):
 def gemm_ops(counts, n, k):
     """moe_grouped_gemm (bf16; FP8 per-token x per-channel) with these rows per expert, then
     cutlass_moe_mm on the same rows, then moe_grouped_gemm_silu_mul (bf16 and e4m3 outputs)
-    and a GEMM after it: N and K tails, empty experts, one expert with every row."""
+    and a GEMM after it, and the two as moe_grouped_gemm_chain (bf16, FP8): N and K tails,
+    empty experts, one expert with every row."""
     e, m = len(counts), sum(counts)
     offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(dev)
     a, b = randn(m, k), randn(e, n, k)
@@ -106,6 +107,13 @@ def gemm_ops(counts, n, k):
                                           amax_scale=torch.full((1,), 1e-6, device=dev))
         if (n // 2) % 8 == 0:  # GEMM2's K rows of 16-byte multiples
             ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True)
+            # The chain: GEMM2 starts each expert's rows as soon as GEMM1 has written them.
+            ops.moe_grouped_gemm_chain(a, b, randn(e, 72, n // 2), offs, offsets_ready=True)
+            if (n // 2) % 16 == 0:
+                ops.moe_grouped_gemm_chain(aq, bq, randn(e, 72, n // 2).to(fp8), offs, sa, sb,
+                                           torch.full((1,), 0.05, device=dev),
+                                           torch.rand(e, device=dev, generator=g) + 0.5,
+                                           offsets_ready=True)
         ops.moe_grouped_gemm_silu_mul(aq, bq, offs, sa, sb,
                                       torch.full((1,), 0.05, device=dev))
     torch.cuda.synchronize()

@@ -73,13 +73,10 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
   }
 }
 
-}  // namespace
-
 // out [M, N] bf16, the operands as check_operands says.
-void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales, bool /*offsets_ready*/) {
-  constexpr const char* kOp = "moe_grouped_gemm";
+void check_gemm(const char* kOp, const at::Tensor& out, const at::Tensor& a,
+                const at::Tensor& b, const at::Tensor& expert_offsets,
+                const OptTensor& a_scales, const OptTensor& b_scales) {
   HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
   HM_CHECK_DIM(kOp, b, 3);
   check_operands(kOp, out, b.size(1), a, b, expert_offsets, a_scales, b_scales);
@@ -88,11 +85,10 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 // b [E, 2I, K] (each expert's gate rows, then its up rows); out [M, I] bf16, or
 // Float8_e4m3fn with out_scale f32 [1] (the static per-tensor scale of the result);
 // amax_scale f32 [1] (bf16 out only).
-void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                               const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                               const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool /*offsets_ready*/, const OptTensor& amax_scale) {
-  constexpr const char* kOp = "moe_grouped_gemm_silu_mul";
+void check_gemm_silu_mul(const char* kOp, const at::Tensor& out, const at::Tensor& a,
+                         const at::Tensor& b, const at::Tensor& expert_offsets,
+                         const OptTensor& a_scales, const OptTensor& b_scales,
+                         const OptTensor& out_scale, const OptTensor& amax_scale) {
   HM_CHECK_DIM(kOp, b, 3);
   HM_CHECK(kOp, b.size(1) % 2 == 0,
            "b.size(1) must be even: each expert holds I gate rows, then I up rows (got ",
@@ -118,6 +114,64 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
     check_same_device_named(kOp, *amax_scale, "amax_scale", a, "a");
   }
   check_operands(kOp, out, b.size(1) / 2, a, b, expert_offsets, a_scales, b_scales);
+}
+
+}  // namespace
+
+void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                      const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                      const OptTensor& b_scales, bool /*offsets_ready*/) {
+  check_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales);
+}
+
+void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                               const OptTensor& b_scales, const OptTensor& out_scale,
+                               bool /*offsets_ready*/, const OptTensor& amax_scale) {
+  check_gemm_silu_mul("moe_grouped_gemm_silu_mul", out, a, b, expert_offsets, a_scales,
+                      b_scales, out_scale, amax_scale);
+}
+
+// GEMM1 (h = silu_mul(a . w1^T)) and GEMM2 (out = h . w2^T) of one expert set: a, w1 and w2
+// of one dtype; bf16 operands without scales, or e4m3 ones with a_scales and w1_scales
+// (GEMM1's), h e4m3 with its static per-tensor h_scale [1] (GEMM1's out_scale, GEMM2's a
+// scale) and w2_scales (GEMM2's b scales); w2 [E, N2, I] for w1 [E, 2I, K]. Then each GEMM's
+// own rules, named by its part of the chain.
+void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
+                            const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                            const OptTensor& w1_scales, const OptTensor& h_scale,
+                            const OptTensor& w2_scales, bool /*offsets_ready*/) {
+  constexpr const char* kOp = "moe_grouped_gemm_chain";
+  HM_CHECK_DTYPE(kOp, a, {at::kBFloat16, at::kFloat8_e4m3fn});
+  const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
+  HM_CHECK(kOp, w1.scalar_type() == a.scalar_type() && w2.scalar_type() == a.scalar_type(),
+           "w1 and w2 must have the dtype of a (", a.scalar_type(), "), got ", w1.scalar_type(),
+           " and ", w2.scalar_type());
+  if (fp8) {
+    HM_CHECK(kOp, h.scalar_type() == at::kFloat8_e4m3fn && h_scale.has_value(),
+             "with Float8_e4m3fn operands h must be Float8_e4m3fn with its static per-tensor "
+             "h_scale (GEMM2 reads it quantized), got h ", h.scalar_type(),
+             h_scale ? " with h_scale" : " without h_scale");
+    HM_CHECK(kOp, w2_scales.has_value(), "w2_scales are required with Float8_e4m3fn operands");
+  } else {
+    HM_CHECK(kOp, h.scalar_type() == at::kBFloat16, "with BFloat16 operands h must be BFloat16, got ",
+             h.scalar_type());
+    HM_CHECK(kOp, !h_scale && !w2_scales,
+             "h_scale and w2_scales must be None with BFloat16 operands");
+  }
+  HM_CHECK_DIM(kOp, w1, 3);
+  HM_CHECK_DIM(kOp, w2, 3);
+  HM_CHECK(kOp, w2.size(0) == w1.size(0), "w2.size(0) must be E = w1.size(0) = ", w1.size(0),
+           ", got ", w2.size(0));
+  HM_CHECK(kOp, 2 * w2.size(2) == w1.size(1),
+           "w2.size(2) must be I = w1.size(1) / 2 = ", w1.size(1) / 2, ", got ", w2.size(2));
+  check_gemm_silu_mul("moe_grouped_gemm_chain, GEMM1 (out = h, b = w1, b_scales = w1_scales, "
+                      "out_scale = h_scale)",
+                      h, a, w1, expert_offsets, a_scales, w1_scales, h_scale, std::nullopt);
+  check_gemm("moe_grouped_gemm_chain, GEMM2 (a = h, b = w2, a_scales = h_scale, "
+             "b_scales = w2_scales)",
+             out, h, w2, expert_offsets, h_scale, w2_scales);
 }
 
 // cutlass_moe_mm (vLLM's schema; row ranges in gemm/cutlass_moe_mm_args.h): out_tensors

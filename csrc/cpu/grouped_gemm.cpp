@@ -76,6 +76,19 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
   }
 }
 
+// moe_grouped_gemm_chain: the two ops, one after the other.
+void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
+                            const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                            const OptTensor& w1_scales, const OptTensor& h_scale,
+                            const OptTensor& w2_scales, bool offsets_ready) {
+  check::moe_grouped_gemm_chain(out, h, a, w1, w2, expert_offsets, a_scales, w1_scales, h_scale,
+                                w2_scales, offsets_ready);
+  moe_grouped_gemm_silu_mul(h, a, w1, expert_offsets, a_scales, w1_scales, h_scale,
+                            offsets_ready, std::nullopt);
+  moe_grouped_gemm(out, h, w2, expert_offsets, h_scale, w2_scales, offsets_ready);
+}
+
 // cutlass_moe_mm: moe_grouped_gemm over the row ranges of gemm/cutlass_moe_mm_args.h.
 void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                     const at::Tensor& b_tensors, const at::Tensor& a_scales,

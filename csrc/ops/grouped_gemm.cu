@@ -1,10 +1,11 @@
-// CUDA launchers of moe_grouped_gemm and moe_grouped_gemm_silu_mul: the SM90 grouped GEMM (csrc/include/hopper_moe/gemm), its
-// mapping (swap-AB or standard), token tile and K split chosen per launch from the shapes
-// (heuristics/sm90.h; the expert row counts stay on the device). The kernel is sm_90a code
-// (wgmma, TMA): other GPUs get a clear error instead of a launch failure. Validated on an H200
-// against the CPU definition and the fp32 reference (tests/test_grouped_gemm.py: bf16, FP8
-// per-tensor and per-token x per-channel, every token tile and both mappings, K splits,
-// K = 14336, CUDA-graph replay with new offsets).
+// CUDA launchers of moe_grouped_gemm, moe_grouped_gemm_silu_mul and moe_grouped_gemm_chain:
+// the SM90 grouped GEMM (csrc/include/hopper_moe/gemm), its mapping (swap-AB or standard),
+// token tile and K split chosen per launch from the shapes (heuristics/sm90.h; the expert row
+// counts stay on the device). The kernel is sm_90a code (wgmma, TMA): other GPUs get a clear
+// error instead of a launch failure. Validated on an H200 against the CPU definition and the
+// fp32 reference (tests/test_grouped_gemm.py: bf16, FP8 per-tensor and per-token x
+// per-channel, every token tile and both mappings, K splits, K = 14336, CUDA-graph replay
+// with new offsets; tests/test_grouped_gemm_chain.py: the chain against the two ops).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -74,13 +75,22 @@ at::Tensor gemm_timeline() {
 }
 #endif
 
-// The launch shared by both ops (arguments checked by the caller): the config from the
-// heuristic and the overrides, the K split's workspace, the kernel.
+// moe_grouped_gemm_chain's two launches (gemm::MoeGemmArgs::handoff_signal/handoff_wait):
+// GEMM1's launch sets `counters` ([E] int64 zeros) when it signals, which an unsplit GEMM1
+// does unless HOPPER_MOE_CUTE_CHAIN=0; GEMM2's launch waits on them when they are set.
+struct Chain {
+  enum class Role { kGemm1, kGemm2 } role = Role::kGemm1;
+  at::Tensor counters;
+};
+
+// The launch shared by the ops (arguments checked by the caller): the config from the
+// heuristic and the overrides, the K split's workspace, the kernel; chain: the launch's part
+// in moe_grouped_gemm_chain (or null).
 void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
                          const at::Tensor& b, const at::Tensor& expert_offsets,
                          const OptTensor& a_scales, const OptTensor& b_scales, bool silu_mul,
                          const OptTensor& out_scale, bool offsets_ready,
-                         const OptTensor& amax_scale) {
+                         const OptTensor& amax_scale, Chain* chain = nullptr) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(a.device().index());
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
@@ -125,13 +135,19 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
       regrid = true;
     }
   }
-  if (const char* env = std::getenv("HOPPER_MOE_CUTE_K_SPLITS"); env != nullptr && *env) {
-    const int s = std::atoi(env);
-    HM_CHECK(kOp, s >= 1 && s <= heuristics::kMaxKSplits,
-             "HOPPER_MOE_CUTE_K_SPLITS must be in [1, ", heuristics::kMaxKSplits, "] (got '",
-             env, "')");
+  if (const int s = env_int(kOp, "HOPPER_MOE_CUTE_K_SPLITS", 1, heuristics::kMaxKSplits, 0);
+      s > 0) {
     config.k_splits = s;
     regrid = true;
+  }
+  // HOPPER_MOE_CUTE_CHAIN_K_SPLITS=s: the K split of a chain's GEMM2 alone, for measuring.
+  if (chain != nullptr && chain->role == Chain::Role::kGemm2) {
+    if (const int s = env_int(kOp, "HOPPER_MOE_CUTE_CHAIN_K_SPLITS", 1, heuristics::kMaxKSplits,
+                              0);
+        s > 0) {
+      config.k_splits = s;
+      regrid = true;
+    }
   }
   // An override that edited the config's tiles or split also moves its grid and cache policy.
   const int sm_count = prop->multiProcessorCount;
@@ -150,6 +166,13 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
           sm_count);
       break;
     default: break;  // unset: the heuristic's
+  }
+  // HOPPER_MOE_CUTE_CHAIN_GRID=g: the CTAs of a chain's GEMM2, for measuring (more than the
+  // SMs: the CTAs after the first wave start as SMs free up, one unit each when g >= units).
+  if (chain != nullptr && chain->role == Chain::Role::kGemm2) {
+    if (const int g = env_int(kOp, "HOPPER_MOE_CUTE_CHAIN_GRID", 1, 65536, 0); g > 0) {
+      config.grid = g;
+    }
   }
   config.evict_first =
       env_int(kOp, "HOPPER_MOE_CUTE_EVICT_FIRST", 0, 1, int(config.evict_first)) == 1;
@@ -192,6 +215,16 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.offsets_ready = offsets_ready;
   args.start_stagger_ns = start_stagger_ns;
   args.evict_first_weights = config.evict_first;
+  if (chain != nullptr && chain->role == Chain::Role::kGemm1 && config.k_splits == 1 &&
+      env_int(kOp, "HOPPER_MOE_CUTE_CHAIN", 0, 1, 1) == 1) {
+    chain->counters = at::zeros({b.size(0)}, a.options().dtype(at::kLong));
+    args.handoff_signal =
+        reinterpret_cast<unsigned long long*>(chain->counters.data_ptr<int64_t>());
+  }
+  if (chain != nullptr && chain->role == Chain::Role::kGemm2 && chain->counters.defined()) {
+    args.handoff_wait =
+        reinterpret_cast<const unsigned long long*>(chain->counters.data_ptr<int64_t>());
+  }
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   args.timeline = timeline_slot(a, config.grid);
 #endif
@@ -218,6 +251,28 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
                                    offsets_ready, amax_scale);
   launch_grouped_gemm("moe_grouped_gemm_silu_mul", out, a, b, expert_offsets, a_scales,
                       b_scales, /*silu_mul=*/true, out_scale, offsets_ready, amax_scale);
+}
+
+// GEMM1 with SiLU*mul into h, then GEMM2 over h, as one chain: GEMM2 (a dependent launch)
+// starts each expert's rows once GEMM1 has written them (gemm::MoeGemmArgs::handoff_*). An
+// unchained pair (GEMM1 split over K, or HOPPER_MOE_CUTE_CHAIN=0) is the two launches of
+// moe_grouped_gemm_silu_mul and moe_grouped_gemm.
+void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
+                            const at::Tensor& w1, const at::Tensor& w2,
+                            const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                            const OptTensor& w1_scales, const OptTensor& h_scale,
+                            const OptTensor& w2_scales, bool offsets_ready) {
+  check::moe_grouped_gemm_chain(out, h, a, w1, w2, expert_offsets, a_scales, w1_scales, h_scale,
+                                w2_scales, offsets_ready);
+  constexpr const char* kOp = "moe_grouped_gemm_chain";
+  Chain chain;
+  launch_grouped_gemm(kOp, h, a, w1, expert_offsets, a_scales, w1_scales, /*silu_mul=*/true,
+                      h_scale, offsets_ready, std::nullopt, &chain);
+  // GEMM2 follows GEMM1, which lets it start at once: it may read the offsets early only when
+  // the kernel before GEMM1 does not write them either.
+  chain.role = Chain::Role::kGemm2;
+  launch_grouped_gemm(kOp, out, h, w2, expert_offsets, h_scale, w2_scales, /*silu_mul=*/false,
+                      std::nullopt, offsets_ready, std::nullopt, &chain);
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on

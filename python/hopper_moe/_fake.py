@@ -26,6 +26,7 @@ _IN_PLACE_OPS = (
     "get_cutlass_moe_mm_problem_sizes_from_expert_offsets",
     "moe_grouped_gemm",
     "moe_grouped_gemm_silu_mul",
+    "moe_grouped_gemm_chain",
     "cutlass_moe_mm",
 )
 

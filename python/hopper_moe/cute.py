@@ -8,7 +8,9 @@
 Both GEMMs are the hand-written SM90 wgmma kernel (csrc/include/hopper_moe/gemm) on CUDA and
 their readable definitions on the CPU, so the composition is tested in CI. On CUDA the GEMMs
 and moe_unpermute are programmatic dependent launches: each starts while the kernel before it
-drains, the GEMMs streaming their first weight tiles before their input is complete.
+drains, the GEMMs streaming their first weight tiles before their input is complete. Where
+GEMM1 writes GEMM2's input itself (bf16, static a2 scale) the two are one chain
+(moe_grouped_gemm_chain): GEMM2 starts on each expert's rows once GEMM1 has written them.
 Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3 per-tensor (static or dynamic
 activation scales) and per-token activations x per-channel weights. Block-wise [128,128] FP8
 is not in the kernel yet: ``backend="triton"`` runs it.
@@ -32,6 +34,7 @@ from . import ops
 
 _GEMM = torch.ops.hopper_moe.moe_grouped_gemm.default
 _GEMM1 = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default
+_CHAIN = torch.ops.hopper_moe.moe_grouped_gemm_chain.default
 
 
 def _fail(msg: str) -> None:
@@ -151,6 +154,32 @@ def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
     return a2, a2_scale, w2.contiguous(), w2_scale
 
 
+def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
+                 a2_floor=None):
+    """GEMM1 with SiLU*mul (and GEMM2's input quantization), then GEMM2 into y [S, H].
+    Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale) the two run as one chain
+    (moe_grouped_gemm_chain): GEMM2 starts each expert as soon as GEMM1 has finished it.
+    Returns GEMM2's input."""
+    if quant is None or _static_a2(quant):
+        num_slots, inter = a1.shape[0], w1g.shape[1] // 2
+        if quant is None:
+            a2 = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=a1.device)
+            _CHAIN(y, a2, a1, w1g, w2.to(torch.bfloat16).contiguous(), offsets, None, None,
+                   None, None, offsets_ready)
+            return a2
+        a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=a1.device)
+        _CHAIN(y, a2, a1, w1g, w2.contiguous(), offsets, a1_scale, w1_scale,
+               quant.a2_scale.float().reshape(1).contiguous(),
+               _weight_scales(quant.w2_scale, w2, quant), offsets_ready)
+        return a2
+    # A quantization kernel runs between the GEMMs (it waits for GEMM1 before letting GEMM2
+    # start), so GEMM2 may read the offsets early.
+    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
+                                                  quant, offsets_ready, a2_floor)
+    _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
+    return a2
+
+
 def _dynamic_scale_floor(device) -> torch.Tensor:
     """[1] f32 holding the smallest scale dynamic per-tensor quantization produces."""
     return torch.full((1,), _MIN_SCALE, dtype=torch.float32, device=device)
@@ -175,10 +204,8 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     # The offsets come from moe_permute's sort, whose row gather (H > 0) runs after it: the
     # kernel just before GEMM1 does not write them, nor does any kernel before GEMM2.
     ready = w1.shape[2] > 0
-    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
-                                                  quant, ready, a2_floor)
     y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
+    _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, ready, a2_floor)
     # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
     weights = torch.ones_like(topk_weights, dtype=torch.float32) \
         if apply_router_weight_on_input else topk_weights.float().contiguous()
@@ -203,16 +230,18 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
                                                   quant, True)
-    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself
-        h, out_scale = a2, a2_scale
-    else:  # dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization
-        h, out_scale = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16,
-                                   device=a1.device), None
+    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself: the chain
+        def chain():
+            _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
+            return a2, y
+        return chain
+    # Dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization.
+    h = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16, device=a1.device)
     # Dynamic per tensor: GEMM1 folds its amax into a scale buffer, as in the layer.
     amax = _dynamic_scale_floor(a1.device) if _dynamic_per_tensor(quant) else None
 
     def gemms():
-        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, out_scale, True, amax)
+        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, True, amax)
         _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
         return h, y
     return gemms

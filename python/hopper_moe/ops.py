@@ -305,3 +305,31 @@ def moe_grouped_gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, expert_offsets: 
     _ops.moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
                                    offsets_ready, amax_scale)
     return out
+
+
+def moe_grouped_gemm_chain(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                           expert_offsets: torch.Tensor, a_scales: torch.Tensor | None = None,
+                           w1_scales: torch.Tensor | None = None,
+                           h_scale: torch.Tensor | None = None,
+                           w2_scales: torch.Tensor | None = None,
+                           out: torch.Tensor | None = None, h: torch.Tensor | None = None,
+                           offsets_ready: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM1 and GEMM2 of an MoE layer's experts in one call:
+    h = moe_grouped_gemm_silu_mul(a, w1, expert_offsets, a_scales, w1_scales, h_scale) and
+    out = moe_grouped_gemm(h, w2, expert_offsets, h_scale, w2_scales), with the same results.
+
+    a [M, K], w1 [E, 2I, K] and w2 [E, N, I] of one dtype: bf16 without scales, or fp8 e4m3
+    with a_scales / w1_scales (GEMM1's, as in moe_grouped_gemm), h_scale f32 [1] (the static
+    per-tensor scale h is quantized with, GEMM2's a scale) and w2_scales ([E] or [E, N]).
+    Returns (out [M, N] bf16, h [M, I] bf16 or e4m3); rows outside every expert are not
+    written. On CUDA, GEMM2 starts on each expert's rows as soon as GEMM1 has written them
+    rather than after all of GEMM1. offsets_ready as in moe_grouped_gemm (for the kernel before
+    GEMM1)."""
+    if h is None:
+        dtype = torch.float8_e4m3fn if h_scale is not None else torch.bfloat16
+        h = torch.empty((a.shape[0], w1.shape[1] // 2), dtype=dtype, device=a.device)
+    if out is None:
+        out = torch.empty((a.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a.device)
+    _ops.moe_grouped_gemm_chain(out, h, a, w1, w2, expert_offsets, a_scales, w1_scales, h_scale,
+                                w2_scales, offsets_ready)
+    return out, h

@@ -29,6 +29,11 @@
 //   Programmatic dependent launch: every CTA lets the next kernel start at once; with
 //     offsets_ready the producer requests the first kStages weight tiles before waiting for
 //     the previous kernel (griddepcontrol.wait), the token tiles after it.
+//   A chain (moe_gemm_sm90.h, handoff_signal / handoff_wait): GEMM1 counts the outputs its
+//     units have stored per expert; GEMM2's producer, instead of waiting for all of GEMM1,
+//     acquires an expert's counter before it copies that expert's token rows, and its
+//     consumers are ordered after that by the slots' arrivals (which come with the token
+//     copies); GEMM2 waits for GEMM1 to complete only at its end.
 //   warpgroups 1-2, the consumers (setmaxnreg up to 232): each issues the wgmma of its 64 rows
 //     of the A tile x the whole B tile from shared memory and keeps one k-tile's batch in
 //     flight: after issuing k-tile i it waits for i - 1's and releases that slot (empty[s],
@@ -194,6 +199,11 @@ struct MoeGemmParams {
   bool vector_out;  // out, ldo and the output columns allow 8-column vector stores
   int start_stagger_ns;  // CTA b's producer sleeps ~b x this before its first copy (0: none)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
+  // A chain (moe_gemm_sm90.h, MoeGemmArgs::handoff_*): GEMM1 adds the outputs each unit
+  // writes to handoff_signal[expert]; GEMM2 reads an expert's rows once handoff_wait[expert]
+  // reaches rows x k, instead of waiting for all of GEMM1 (either may be null).
+  unsigned long long* handoff_signal;
+  const unsigned long long* handoff_wait;
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   int64_t* timeline;  // [gridDim.x, kTimelineFields] stamps of this launch (or null)
 #endif
@@ -291,6 +301,26 @@ CUTLASS_DEVICE void fold_amax_scale(const MoeGemmParams& p, float amax) {
   if (threadIdx.x % 32 == 0 && amax > 0.0f) {
     fp8::atomic_max_nonneg(p.amax_scale, amax / fp8::kE4M3Max);
   }
+}
+
+// The chain's handoff (MoeGemmArgs::handoff_signal / handoff_wait). GEMM1: after a unit's
+// outputs are stored and the consumers have met at a barrier, one thread adds their count to
+// the expert's counter with release semantics (the fence is cumulative over the stores the
+// barrier ordered before it). GEMM2: the thread that copies an expert's rows acquires the
+// counter until it reaches the expert's rows x k (every output GEMM1 writes for it), then
+// orders its later bulk copies (the async proxy) after that acquire.
+CUTLASS_DEVICE void handoff_add(unsigned long long* counter, unsigned long long count) {
+  asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u64 [%0], %1;"
+               :: "l"(counter), "l"(count) : "memory");
+}
+CUTLASS_DEVICE void handoff_wait(const unsigned long long* counter, unsigned long long target) {
+  unsigned long long v;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(counter) : "memory");
+    if (v >= target) break;
+    __nanosleep(64);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // A per-CTA timeline for diagnosis, compiled in only with -DHOPPER_MOE_GEMM_TIMELINE
@@ -449,30 +479,44 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
               decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
           for (int kt = u.kt_begin; kt < u.kt_end && prefetched < kStages; ++kt, ++prefetched) {
             const int s = ahead.index();
-            FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
+            FullBarrier::expect_transaction(&smem.full[s], Config::kTxBytes);  // arrives below
             copy_weights(u, kt, s);
             ++ahead;
           }
         }
       }
-      pdl::wait_for_prerequisites();
-      HM_TIMELINE(const uint64_t tl_waited = timeline_now();)
+      // The tokens (and, in a chain, each expert's rows as GEMM1 finishes them) come after
+      // the wait. A prefetched slot's arrival comes with its token copy, so that the consumers
+      // that wait on it are ordered after that wait too.
+      const bool chained = p.handoff_wait != nullptr;
+      if (!chained) pdl::wait_for_prerequisites();
+      HM_TIMELINE(uint64_t tl_waited = timeline_now(); bool tl_waited_unit = false;)
       cutlass::PipelineState<kStages> write(0, 1, 0);
       int issued = 0;
+      int ready_expert = -1;  // a chain: the expert whose rows GEMM1 has finished
       for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
         const MoeGemmUnit u =
             decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
+        if (chained && u.expert != ready_expert) {  // a CTA's units go in expert order
+          handoff_wait(p.handoff_wait + u.expert, static_cast<unsigned long long>(u.rows) * p.k);
+          ready_expert = u.expert;
+          HM_TIMELINE(if (!tl_waited_unit) tl_waited = timeline_now(); tl_waited_unit = true;)
+        }
         for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
           const int s = write.index();
           if (issued >= prefetched) {
             EmptyBarrier::wait(&smem.empty[s], write.phase());
             FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
             copy_weights(u, kt, s);
+          } else {
+            FullBarrier::arrive(&smem.full[s]);
           }
           copy_tokens(u, kt, s);
           ++write;
         }
       }
+      // A chained GEMM2 completes only after GEMM1 has (the kernels after it wait for it).
+      if (chained) pdl::wait_for_prerequisites();
       HM_TIMELINE(if (p.timeline != nullptr) {
         int64_t* row = p.timeline + int64_t(blockIdx.x) * kTimelineFields;
         row[kTlIssued] = int64_t(timeline_now());
@@ -495,7 +539,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
   // The tokens arrive after the producer's wait; the scales and the outputs are touched here.
-  pdl::wait_for_prerequisites();
+  // In a chain the consumers are ordered after the producer's wait for each expert by the
+  // slots' arrivals instead.
+  if (p.handoff_wait == nullptr) pdl::wait_for_prerequisites();
   const int ct = int(threadIdx.x) - Config::kProducerThreads;  // 0..255
   [[maybe_unused]] const int wg = ct / 128;                    // consumer warpgroup
   typename Config::TiledMma mma;
@@ -528,6 +574,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     HM_TIMELINE(if (tl_units < kTimelineUnits) tl_unit[tl_units] = timeline_now(); ++tl_units;)
     const MoeGemmUnit u =
         decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
+    // A chain's GEMM1: once every consumer has stored its part of the unit, the count of
+    // outputs it wrote (rows x columns in range) goes to the expert's counter.
+    const auto signal_handoff = [&] {
+      if (p.handoff_signal == nullptr) return;
+      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, kEpiBarrier);
+      if (ct == 0) {
+        const int out_cols = p.silu_mul ? p.act_n : p.n;
+        const int64_t rows = cute::min(int64_t(kBlockT), u.rows - u.t0);
+        const int64_t cols = cute::min(p.tile_cols, out_cols - u.n0);
+        handoff_add(p.handoff_signal + u.expert, static_cast<unsigned long long>(rows * cols));
+      }
+    };
     clear(acc);
     if constexpr (kPromoteInterval > 0) clear(total);
 
@@ -577,6 +635,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (in_flight >= 0) EmptyBarrier::arrive(&smem.empty[in_flight]);
+    // A chained GEMM2's unit without k-tiles (an empty K split) waited on no slot.
+    if (p.handoff_wait != nullptr && u.kt_begin == u.kt_end) {
+      handoff_wait(p.handoff_wait + u.expert, static_cast<unsigned long long>(u.rows) * p.k);
+    }
     if constexpr (kPromoteInterval == 0) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc); ++i) total(i) = acc(i);
@@ -669,6 +731,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           for (int j = 0; j < 8 && n + j < p.n; ++j) dst[j] = src[j];
         }
       }
+      signal_handoff();
       continue;
     }
     // SiLU*mul: silu(gate) * up in fp32 of the bf16-rounded GEMM outputs (what a separate
@@ -694,6 +757,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       amax = fmaxf(amax, store_act_row(p, (u.row_begin + t) * p.ldo + j, p.act_n - j, act));
     }
     if (p.amax_scale != nullptr) fold_amax_scale(p, amax);
+    signal_handoff();
   }
   HM_TIMELINE(if (ct == 0 && p.timeline != nullptr) {
     int64_t* row = p.timeline + int64_t(blockIdx.x) * kTimelineFields;
@@ -789,6 +853,8 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
 
   const int k_splits = a.k_splits > 1 ? a.k_splits : 1;
   if (k_splits > 1 && a.partial == nullptr) return cudaErrorInvalidValue;
+  // A chain's GEMM1 counts the outputs its units store: the reduce kernel of a split would.
+  if (k_splits > 1 && a.handoff_signal != nullptr) return cudaErrorInvalidValue;
   const int out_cols = a.silu_mul ? a.act_n : a.n;
   const int tile_cols = a.silu_mul ? kBlockN / 2 : kBlockN;
   const int n_tiles = (out_cols + tile_cols - 1) / tile_cols;
@@ -801,7 +867,8 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
                   a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr, a.offsets_ready,
                   vector_out, a.start_stagger_ns > 0 ? a.start_stagger_ns : 0,
                   uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
-                                                 : TMA::CacheHintSm90::EVICT_NORMAL)
+                                                 : TMA::CacheHintSm90::EVICT_NORMAL),
+                  a.handoff_signal, a.handoff_wait
 #ifdef HOPPER_MOE_GEMM_TIMELINE
                   , a.timeline
 #endif

@@ -85,6 +85,16 @@ struct MoeGemmArgs {
   int start_stagger_ns = 0;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
+  // A chain of two launches, GEMM1 (SiLU*mul) then GEMM2 over GEMM1's output, in which
+  // GEMM2 starts on an expert's rows as soon as GEMM1 has written them instead of after all
+  // of GEMM1. handoff_signal (GEMM1, unsplit): [num_experts] counters, zero when GEMM1
+  // starts; each unit adds the outputs it wrote (so an expert's counter ends at its rows x
+  // act_n). handoff_wait (GEMM2, the next launch on the stream, k = GEMM1's act_n): the same
+  // counters; GEMM2 copies an expert's rows once its counter reaches rows x k, and does not
+  // complete before GEMM1 has. GEMM2 reads nothing else of GEMM1's before GEMM1 completes: its
+  // scales and other operands must not come from GEMM1 (as GEMM1's amax_scale would).
+  unsigned long long* handoff_signal = nullptr;
+  const unsigned long long* handoff_wait = nullptr;
 #ifdef HOPPER_MOE_GEMM_TIMELINE
   // Diagnosis builds: [grid, kTimelineFields] int64 stamps of the launch (or null;
   // kernel_moe_gemm_sm90.cuh, tools/gemm_timeline.py).
