@@ -97,8 +97,9 @@ TORCH_LIBRARY(hopper_moe, m) {
       "Tensor(b!)? amax_scale=None) -> ()");
   // GEMM1 then GEMM2 of a layer's experts: h = moe_grouped_gemm_silu_mul(a, w1, ...) (bf16, or
   // e4m3 with the static h_scale), out = moe_grouped_gemm(h, w2, ...) (h_scale and w2_scales
-  // with FP8). The CUDA kernels chain: GEMM2 starts each expert's rows once GEMM1 has written
-  // them. offsets_ready as above, for the kernel before GEMM1.
+  // with FP8). With HOPPER_MOE_CUTE_CHAIN=1 the CUDA kernels chain: GEMM2 starts each
+  // expert's rows once GEMM1 has written them. offsets_ready as above, for the kernel before
+  // GEMM1.
   m.def(
       "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
       "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "

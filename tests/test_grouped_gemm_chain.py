@@ -1,10 +1,10 @@
 """moe_grouped_gemm_chain: GEMM1 with SiLU*mul (and a static FP8 quantization of h), then GEMM2
 over h, in one call. Its CPU definition is the two ops one after the other; on an SM90 GPU the
-chained kernels (GEMM2 starting on each expert's rows once GEMM1 has written them) must equal
-the two ops on the same device bit for bit, h and out, over ragged decode and prefill problems,
-with GEMM1 split over K (no chain), with the chain turned off, in CUDA-graph replays with new
-expert counts, and call after call behind a long kernel; and out is checked against the fp32
-reference of GEMM2 over the h the kernel wrote.
+chained kernels (HOPPER_MOE_CUTE_CHAIN=1: GEMM2 starting on each expert's rows once GEMM1 has
+written them) must equal the two ops on the same device bit for bit, h and out, over ragged
+decode and prefill problems, with GEMM1 split over K (no chain), with the chain turned off
+(the default), in CUDA-graph replays with new expert counts, and call after call behind a long
+kernel; and out is checked against the fp32 reference of GEMM2 over the h the kernel wrote.
 """
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ from test_grouped_gemm_silu_mul import FP8, check, make_gated, same_bits, untouc
 from hopper_moe import ops, reference
 
 CHAIN = torch.ops.hopper_moe.moe_grouped_gemm_chain
+
+
+@pytest.fixture(autouse=True)
+def chained(monkeypatch):
+    """The kernels chain (HOPPER_MOE_CUTE_CHAIN=1, off by default) unless a test says not."""
+    monkeypatch.setenv("HOPPER_MOE_CUTE_CHAIN", "1")
 
 
 def make_chain(counts, inter, k, n2, dtype="bf16", a_mode="tensor", b_mode="tensor",

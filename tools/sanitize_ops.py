@@ -107,13 +107,20 @@ def gemm_ops(counts, n, k):
                                           amax_scale=torch.full((1,), 1e-6, device=dev))
         if (n // 2) % 8 == 0:  # GEMM2's K rows of 16-byte multiples
             ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True)
-            # The chain: GEMM2 starts each expert's rows as soon as GEMM1 has written them.
+            # The chain: GEMM2 starts each expert's rows as soon as GEMM1 has written them
+            # (HOPPER_MOE_CUTE_CHAIN=1, off by default).
+            chain_env = os.environ.get("HOPPER_MOE_CUTE_CHAIN")
+            os.environ["HOPPER_MOE_CUTE_CHAIN"] = "1"
             ops.moe_grouped_gemm_chain(a, b, randn(e, 72, n // 2), offs, offsets_ready=True)
             if (n // 2) % 16 == 0:
                 ops.moe_grouped_gemm_chain(aq, bq, randn(e, 72, n // 2).to(fp8), offs, sa, sb,
                                            torch.full((1,), 0.05, device=dev),
                                            torch.rand(e, device=dev, generator=g) + 0.5,
                                            offsets_ready=True)
+            if chain_env is None:
+                del os.environ["HOPPER_MOE_CUTE_CHAIN"]
+            else:
+                os.environ["HOPPER_MOE_CUTE_CHAIN"] = chain_env
         ops.moe_grouped_gemm_silu_mul(aq, bq, offs, sa, sb,
                                       torch.full((1,), 0.05, device=dev))
     torch.cuda.synchronize()

@@ -77,7 +77,9 @@ at::Tensor gemm_timeline() {
 
 // moe_grouped_gemm_chain's two launches (gemm::MoeGemmArgs::handoff_signal/handoff_wait):
 // GEMM1's launch sets `counters` ([E] int64 zeros) when it signals, which an unsplit GEMM1
-// does unless HOPPER_MOE_CUTE_CHAIN=0; GEMM2's launch waits on them when they are set.
+// does with HOPPER_MOE_CUTE_CHAIN=1; GEMM2's launch waits on them when they are set. Off by
+// default: the counters' fill kernel before GEMM1 costs the layer more than GEMM2's early
+// start gains (benchmarks/NOTES.md, v29).
 struct Chain {
   enum class Role { kGemm1, kGemm2 } role = Role::kGemm1;
   at::Tensor counters;
@@ -216,7 +218,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.start_stagger_ns = start_stagger_ns;
   args.evict_first_weights = config.evict_first;
   if (chain != nullptr && chain->role == Chain::Role::kGemm1 && config.k_splits == 1 &&
-      env_int(kOp, "HOPPER_MOE_CUTE_CHAIN", 0, 1, 1) == 1) {
+      env_int(kOp, "HOPPER_MOE_CUTE_CHAIN", 0, 1, 0) == 1) {
     chain->counters = at::zeros({b.size(0)}, a.options().dtype(at::kLong));
     args.handoff_signal =
         reinterpret_cast<unsigned long long*>(chain->counters.data_ptr<int64_t>());
@@ -253,9 +255,9 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
                       b_scales, /*silu_mul=*/true, out_scale, offsets_ready, amax_scale);
 }
 
-// GEMM1 with SiLU*mul into h, then GEMM2 over h, as one chain: GEMM2 (a dependent launch)
-// starts each expert's rows once GEMM1 has written them (gemm::MoeGemmArgs::handoff_*). An
-// unchained pair (GEMM1 split over K, or HOPPER_MOE_CUTE_CHAIN=0) is the two launches of
+// GEMM1 with SiLU*mul into h, then GEMM2 over h. Chained (HOPPER_MOE_CUTE_CHAIN=1 and GEMM1
+// not split over K), GEMM2 (a dependent launch) starts each expert's rows once GEMM1 has
+// written them (gemm::MoeGemmArgs::handoff_*); unchained, these are the two launches of
 // moe_grouped_gemm_silu_mul and moe_grouped_gemm.
 void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
                             const at::Tensor& w1, const at::Tensor& w2,

@@ -9,8 +9,10 @@ Both GEMMs are the hand-written SM90 wgmma kernel (csrc/include/hopper_moe/gemm)
 their readable definitions on the CPU, so the composition is tested in CI. On CUDA the GEMMs
 and moe_unpermute are programmatic dependent launches: each starts while the kernel before it
 drains, the GEMMs streaming their first weight tiles before their input is complete. Where
-GEMM1 writes GEMM2's input itself (bf16, static a2 scale) the two are one chain
-(moe_grouped_gemm_chain): GEMM2 starts on each expert's rows once GEMM1 has written them.
+GEMM1 writes GEMM2's input itself (bf16, static a2 scale) the two are one call
+(moe_grouped_gemm_chain), whose kernels chain with HOPPER_MOE_CUTE_CHAIN=1: GEMM2 then
+starts on each expert's rows once GEMM1 has written them (off by default, benchmarks/NOTES.md
+v29).
 Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3 per-tensor (static or dynamic
 activation scales) and per-token activations x per-channel weights. Block-wise [128,128] FP8
 is not in the kernel yet: ``backend="triton"`` runs it.
@@ -157,9 +159,9 @@ def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
 def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
                  a2_floor=None):
     """GEMM1 with SiLU*mul (and GEMM2's input quantization), then GEMM2 into y [S, H].
-    Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale) the two run as one chain
-    (moe_grouped_gemm_chain): GEMM2 starts each expert as soon as GEMM1 has finished it.
-    Returns GEMM2's input."""
+    Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale) the two are one
+    moe_grouped_gemm_chain call (chained kernels with HOPPER_MOE_CUTE_CHAIN=1). Returns
+    GEMM2's input."""
     if quant is None or _static_a2(quant):
         num_slots, inter = a1.shape[0], w1g.shape[1] // 2
         if quant is None:
@@ -230,7 +232,7 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
     a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
                                                   quant, True)
-    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself: the chain
+    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself: one call
         def chain():
             _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
             return a2, y

@@ -322,9 +322,10 @@ def moe_grouped_gemm_chain(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     with a_scales / w1_scales (GEMM1's, as in moe_grouped_gemm), h_scale f32 [1] (the static
     per-tensor scale h is quantized with, GEMM2's a scale) and w2_scales ([E] or [E, N]).
     Returns (out [M, N] bf16, h [M, I] bf16 or e4m3); rows outside every expert are not
-    written. On CUDA, GEMM2 starts on each expert's rows as soon as GEMM1 has written them
-    rather than after all of GEMM1. offsets_ready as in moe_grouped_gemm (for the kernel before
-    GEMM1)."""
+    written. On CUDA with HOPPER_MOE_CUTE_CHAIN=1, GEMM2 starts on each expert's rows as soon
+    as GEMM1 has written them rather than after all of GEMM1 (off by default: the per-expert
+    counters need a fill kernel before GEMM1, which costs a layer more than the early start
+    gains). offsets_ready as in moe_grouped_gemm (for the kernel before GEMM1)."""
     if h is None:
         dtype = torch.float8_e4m3fn if h_scale is not None else torch.bfloat16
         h = torch.empty((a.shape[0], w1.shape[1] // 2), dtype=dtype, device=a.device)
