@@ -15,7 +15,8 @@ import torch
 
 from conftest import gpu
 from test_grouped_gemm import check_against_reference, make_problem, offsets_from_counts, sm90
-from test_grouped_gemm_silu_mul import FP8, check, make_gated, same_bits, untouched
+from test_grouped_gemm_silu_mul import (FP8, _failures, check, make_gated, same_bits,
+                                        untouched)
 
 from hopper_moe import ops, reference
 
@@ -158,16 +159,6 @@ def check_out_against_reference(out, h, problem, fp8):
         check_against_reference(out, h, w2, offs, hs, s2)
     else:
         check_against_reference(out, h, w2, offs, None, None)
-
-
-def _failures(cases, fn):
-    failures = []
-    for label, args in cases:
-        try:
-            fn(*args)
-        except AssertionError as err:
-            failures.append(f"{label}: {str(err).splitlines()[0]}")
-    assert not failures, "\n".join(failures[:20])
 
 
 def random_counts(rng, e, m_tot):
