@@ -124,36 +124,46 @@ def _dynamic_per_tensor(quant) -> bool:
     return quant is not None and not quant.per_act_token_quant and quant.a2_scale is None
 
 
+def _gemm2_weights(w2, quant):
+    """GEMM2's weights in the GEMM's dtype and their scale (None with bf16)."""
+    if quant is None:
+        return w2.to(torch.bfloat16).contiguous(), None
+    return w2.contiguous(), _weight_scales(quant.w2_scale, w2, quant)
+
+
+def _gemm1_output(a1, w1g, quant):
+    """Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale): that input [S, I]
+    (bf16, or e4m3) and its scale (None, or the static [1])."""
+    shape = (a1.shape[0], w1g.shape[1] // 2)
+    if quant is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=a1.device), None
+    return (torch.empty(shape, dtype=torch.float8_e4m3fn, device=a1.device),
+            quant.a2_scale.float().reshape(1).contiguous())
+
+
 def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
                     a2_floor=None):
     """GEMM1 with SiLU*mul (+ a static FP8 quantization) in its epilogue, and GEMM2's other
     operands: (a2 [S, I], its scale, w2 in the GEMM's dtype, w2's scale). a2_floor: with a
     dynamic per-tensor a2 scale, the [1] buffer that becomes it (_dynamic_scale_floor)."""
-    num_slots, inter = a1.shape[0], w1g.shape[1] // 2
-    dev = a1.device
-    if quant is None:
-        a2 = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=dev)
-        _GEMM1(a2, a1, w1g, offsets, None, None, None, offsets_ready)
-        return a2, None, w2.to(torch.bfloat16).contiguous(), None
-    w2_scale = _weight_scales(quant.w2_scale, w2, quant)
-    if _static_a2(quant):
-        a2_scale = quant.a2_scale.float().reshape(1).contiguous()
-        a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=dev)
+    w2g, w2_scale = _gemm2_weights(w2, quant)
+    if quant is None or _static_a2(quant):
+        a2, a2_scale = _gemm1_output(a1, w1g, quant)
         _GEMM1(a2, a1, w1g, offsets, a1_scale, w1_scale, a2_scale, offsets_ready)
-        return a2, a2_scale, w2.contiguous(), w2_scale
-    h = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=dev)
+        return a2, a2_scale, w2g, w2_scale
+    h = torch.empty((a1.shape[0], w1g.shape[1] // 2), dtype=torch.bfloat16, device=a1.device)
     if quant.per_act_token_quant:  # SiLU*mul in bf16, then each row's scale
         _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready)
         a2, a2_scale = _act_quant(h, quant, None)
-        return a2, a2_scale, w2.contiguous(), w2_scale
+        return a2, a2_scale, w2g, w2_scale
     # Dynamic per tensor: GEMM1's epilogue folds the amax of the rows it writes into the scale
     # (started at the floor of dynamic_scaled_fp8_quant, so the scale is the same), then one
     # static quantization. Rows past offsets[E] (slots that do not count) are not written and
     # never read.
-    a2_scale = _dynamic_scale_floor(dev) if a2_floor is None else a2_floor
+    a2_scale = _dynamic_scale_floor(a1.device) if a2_floor is None else a2_floor
     _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready, a2_scale)
     a2, _ = ops.scaled_fp8_quant(h, a2_scale)
-    return a2, a2_scale, w2.contiguous(), w2_scale
+    return a2, a2_scale, w2g, w2_scale
 
 
 def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
@@ -163,16 +173,10 @@ def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
     moe_grouped_gemm_chain call (chained kernels with HOPPER_MOE_CUTE_CHAIN=1). Returns
     GEMM2's input."""
     if quant is None or _static_a2(quant):
-        num_slots, inter = a1.shape[0], w1g.shape[1] // 2
-        if quant is None:
-            a2 = torch.empty((num_slots, inter), dtype=torch.bfloat16, device=a1.device)
-            _CHAIN(y, a2, a1, w1g, w2.to(torch.bfloat16).contiguous(), offsets, None, None,
-                   None, None, offsets_ready)
-            return a2
-        a2 = torch.empty((num_slots, inter), dtype=torch.float8_e4m3fn, device=a1.device)
-        _CHAIN(y, a2, a1, w1g, w2.contiguous(), offsets, a1_scale, w1_scale,
-               quant.a2_scale.float().reshape(1).contiguous(),
-               _weight_scales(quant.w2_scale, w2, quant), offsets_ready)
+        a2, a2_scale = _gemm1_output(a1, w1g, quant)
+        w2g, w2_scale = _gemm2_weights(w2, quant)
+        _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale,
+               offsets_ready)
         return a2
     # A quantization kernel runs between the GEMMs (it waits for GEMM1 before letting GEMM2
     # start), so GEMM2 may read the offsets early.
@@ -230,14 +234,17 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     a1, a1_scale, offsets, _, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, False, w1.shape[0], None, quant)
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
-                                                  quant, True)
     if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself: one call
+        a2, a2_scale = _gemm1_output(a1, w1g, quant)
+        w2g, w2_scale = _gemm2_weights(w2, quant)
+
         def chain():
             _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
             return a2, y
         return chain
     # Dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization.
+    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
+                                                  quant, True)
     h = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16, device=a1.device)
     # Dynamic per tensor: GEMM1 folds its amax into a scale buffer, as in the layer.
     amax = _dynamic_scale_floor(a1.device) if _dynamic_per_tensor(quant) else None
