@@ -593,14 +593,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // and free its slot (in_flight); at an FP8 promotion, wait for both and free both.
     int in_flight = -1;
     [[maybe_unused]] int own = 0;  // a pair: k-tiles of the unit this warpgroup has issued
-    for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++seq) {
-      const int s = read.index();
-      if constexpr (Config::kPair) {
-        if (int(seq % 2) != wg) {
-          ++read;
-          continue;
-        }
+    // A pair's warpgroup visits only its own k-tiles (every other one, from the first whose
+    // place in the sequence has its parity) and steps over the other's slots: no iteration
+    // of the loop goes without a wgmma batch.
+    int kt = u.kt_begin;
+    constexpr int kKtStep = Config::kPair ? 2 : 1;
+    if constexpr (Config::kPair) {
+      if (int(seq % 2) != wg && kt < u.kt_end) {
+        ++read;
+        ++kt;
       }
+      seq += u.kt_end - u.kt_begin;
+    }
+    for (; kt < u.kt_end; kt += kKtStep) {
+      const int s = read.index();
       FullBarrier::wait(&smem.full[s], read.phase());
       HM_TIMELINE(if (tl_first == 0) tl_first = timeline_now();)
       warpgroup_fence_operand(acc);
@@ -608,6 +614,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);
       warpgroup_commit_batch();
       ++read;
+      if constexpr (Config::kPair) {
+        if (kt + 1 < u.kt_end) ++read;  // the other warpgroup's next slot
+      }
       bool promote = false;
       if constexpr (kPromoteInterval > 0 && Config::kPair) {  // its next k-tile is kt + 2
         promote = ++own % kPromoteInterval == 0 || kt + 2 >= u.kt_end;
