@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Incremental in-place build of hopper_moe._C for development (ninja recompiles only what
 # changed). Serialized with a lock so several shells can call it. The full log, ptxas report
-# included, goes to build/build.log; tools/check_ptxas.py fails the build on any spill.
+# included, goes to build/build.log; tools/check_ptxas.py fails the build on any spill or
+# serialized wgmma.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

@@ -5,7 +5,8 @@
 #   PYTHON=python3.11 bash tools/setup_env.sh      # choose the interpreter for the venv
 #   HOPPER_MOE_VENV=/path/to/venv                   # use another venv location
 # The build log (with ptxas' per-kernel registers and spills) is build/build.log; the build
-# fails if any kernel spills or uses local memory (tools/check_ptxas.py).
+# fails if any kernel spills or uses local memory, or if ptxas serializes its wgmma
+# (tools/check_ptxas.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${HOPPER_MOE_VENV:-.venv}

@@ -322,6 +322,10 @@ CUTLASS_DEVICE void handoff_wait(const unsigned long long* counter, unsigned lon
   }
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
+// GEMM2 of a chain: until GEMM1 has written every output of unit u's expert.
+CUTLASS_DEVICE void wait_for_expert_rows(const MoeGemmParams& p, const MoeGemmUnit& u) {
+  handoff_wait(p.handoff_wait + u.expert, static_cast<unsigned long long>(u.rows) * p.k);
+}
 
 // A per-CTA timeline for diagnosis, compiled in only with -DHOPPER_MOE_GEMM_TIMELINE
 // (tools/gemm_timeline.py): %globaltimer stamps (ns) at the kernel's start, when the prefix
@@ -498,7 +502,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         const MoeGemmUnit u =
             decode_moe_gemm_unit<kBlockN, kBlockT, kBlockK>(p, smem.tile_prefix, n_tiles, unit);
         if (chained && u.expert != ready_expert) {  // a CTA's units go in expert order
-          handoff_wait(p.handoff_wait + u.expert, static_cast<unsigned long long>(u.rows) * p.k);
+          wait_for_expert_rows(p, u);
           ready_expert = u.expert;
           HM_TIMELINE(if (!tl_waited_unit) tl_waited = timeline_now(); tl_waited_unit = true;)
         }
@@ -595,7 +599,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     [[maybe_unused]] int own = 0;  // a pair: k-tiles of the unit this warpgroup has issued
     // A pair's warpgroup visits only its own k-tiles (every other one, from the first whose
     // place in the sequence has its parity) and steps over the other's slots: no iteration
-    // of the loop goes without a wgmma batch.
+    // of the loop goes without a wgmma batch. (A loop over every k-tile that `continue`d past
+    // the other's made ptxas serialize each wgmma, C7515; benchmarks/NOTES.md, v30.)
     int kt = u.kt_begin;
     constexpr int kKtStep = Config::kPair ? 2 : 1;
     if constexpr (Config::kPair) {
@@ -646,7 +651,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (in_flight >= 0) EmptyBarrier::arrive(&smem.empty[in_flight]);
     // A chained GEMM2's unit without k-tiles (an empty K split) waited on no slot.
     if (p.handoff_wait != nullptr && u.kt_begin == u.kt_end) {
-      handoff_wait(p.handoff_wait + u.expert, static_cast<unsigned long long>(u.rows) * p.k);
+      wait_for_expert_rows(p, u);
     }
     if constexpr (kPromoteInterval == 0) {
       CUTE_UNROLL
