@@ -5,8 +5,7 @@
 Environment:
   CUTLASS_DIR          CUTLASS checkout to use instead of the nvidia-cutlass package
   HOPPER_MOE_CPU_ONLY  1: build only the CPU implementations (no nvcc needed)
-  HOPPER_MOE_NVCC_FLAGS  extra nvcc flags, space-separated (e.g. -DHOPPER_MOE_GEMM_TIMELINE
-                       for tools/gemm_timeline.py; a diagnosis build, not for timing)
+  HOPPER_MOE_NVCC_FLAGS  extra nvcc flags, space-separated
   MAX_JOBS             parallel compile jobs (ninja)
 ptxas prints registers, shared memory and spills of every kernel (-Xptxas=-v); with `pip -v`
 that lands in the build log, which tools/check_ptxas.py reads to fail a build that spills.
@@ -43,7 +42,7 @@ cpu_only = os.environ.get("HOPPER_MOE_CPU_ONLY", "0") == "1"
 if not cpu_only and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
     raise RuntimeError("nvcc not found: set CUDA_HOME, or HOPPER_MOE_CPU_ONLY=1 for a CPU build")
 
-cpp_sources = ["csrc/torch_bindings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp")
+cpp_sources = ["csrc/torch_bindings.cpp", "csrc/settings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp")
 include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
 cxx_flags = ["-O3", "-DHOPPER_MOE_PYTHON_MODULE"]
 

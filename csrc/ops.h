@@ -10,9 +10,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/string_view.h>
 
 #include <optional>
 #include <tuple>
+
+#include "hopper_moe/heuristics/sm90.h"
 
 namespace hopper_moe {
 
@@ -74,16 +77,19 @@ using OptTensor = std::optional<at::Tensor>;
   /* grouped GEMM (grouped_gemm.*) */                                                          \
   void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,             \
                         const at::Tensor& expert_offsets, const OptTensor& a_scales,           \
-                        const OptTensor& b_scales, bool offsets_ready);                        \
+                        const OptTensor& b_scales, bool offsets_ready,                         \
+                        c10::string_view config);                                              \
   void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,    \
                                  const at::Tensor& expert_offsets, const OptTensor& a_scales,  \
                                  const OptTensor& b_scales, const OptTensor& out_scale,        \
-                                 bool offsets_ready, const OptTensor& amax_scale);             \
+                                 bool offsets_ready, const OptTensor& amax_scale,              \
+                                 c10::string_view config);                                     \
   void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,             \
                               const at::Tensor& w1, const at::Tensor& w2,                      \
                               const at::Tensor& expert_offsets, const OptTensor& a_scales,     \
                               const OptTensor& w1_scales, const OptTensor& h_scale,            \
-                              const OptTensor& w2_scales, bool offsets_ready);                 \
+                              const OptTensor& w2_scales, bool offsets_ready,                  \
+                              c10::string_view config);                                        \
   void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,                    \
                       const at::Tensor& b_tensors, const at::Tensor& a_scales,                 \
                       const at::Tensor& b_scales, const at::Tensor& expert_offsets,            \
@@ -102,6 +108,9 @@ using OptTensor = std::optional<at::Tensor>;
 namespace check {
 HOPPER_MOE_DECLARE_OPS
 void grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+// The grouped-GEMM ops' `config`: "" (the heuristic's choice) or comma-separated key=value
+// pairs, mapping=swap_ab|standard, pair=0|1, k_splits=1..heuristics::kMaxKSplits, pdl=0|1.
+heuristics::GroupedGemmOverride grouped_gemm_config(const char* op, c10::string_view config);
 }  // namespace check
 
 namespace cpu {

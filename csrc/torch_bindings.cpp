@@ -1,7 +1,7 @@
 // The one registration point of hopper_moe: every schema and every implementation.
 //
 // Schemas are vLLM's (torch.ops._moe_C / torch.ops._C), argument for argument, under the
-// namespace `hopper_moe`; tests/test_schemas.py compares them with ../shared/OPS.md's strings.
+// namespace `hopper_moe`; tests/test_schemas.py compares them with docs/OPS.md's strings.
 // Fake (meta) implementations are registered from Python (python/hopper_moe/_fake.py).
 #include <torch/library.h>
 
@@ -85,25 +85,27 @@ TORCH_LIBRARY(hopper_moe, m) {
   // offsets_ready: the kernel launched just before on the stream does not write
   // expert_offsets, so the CUDA kernel may read them, and start streaming weights, before that
   // kernel completes (programmatic dependent launch). No effect on the result or on the CPU.
+  // config: "" for the heuristic's launch, or key=value pairs that force parts of it
+  // (mapping=swap_ab|standard, pair=0|1, k_splits=1..8, pdl=0|1; ops.h); validated on both
+  // devices, no effect on the CPU.
   m.def(
       "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-      "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()");
+      "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False, str config=\"\") -> ()");
   // The same GEMM over b = [gate; up] per expert, with SiLU*mul (and an optional static FP8
   // quantization) in its epilogue: out[r, j] = silu(g[r, j]) * u[r, j]. amax_scale (bf16 out):
   // updated to max(amax_scale, amax |out| / 448), a dynamic per-tensor FP8 scale of out.
   m.def(
       "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
       "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
-      "Tensor(b!)? amax_scale=None) -> ()");
+      "Tensor(b!)? amax_scale=None, str config=\"\") -> ()");
   // GEMM1 then GEMM2 of a layer's experts: h = moe_grouped_gemm_silu_mul(a, w1, ...) (bf16, or
   // e4m3 with the static h_scale), out = moe_grouped_gemm(h, w2, ...) (h_scale and w2_scales
-  // with FP8). With HOPPER_MOE_CUTE_CHAIN=1 the CUDA kernels chain: GEMM2 starts each
-  // expert's rows once GEMM1 has written them. offsets_ready as above, for the kernel before
-  // GEMM1.
+  // with FP8), as two dependent launches. offsets_ready as above, for the kernel before GEMM1;
+  // config as above, for both GEMMs.
   m.def(
       "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
       "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
-      "Tensor? w2_scales, bool offsets_ready=False) -> ()");
+      "Tensor? w2_scales, bool offsets_ready=False, str config=\"\") -> ()");
   // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
   m.def(
       "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "

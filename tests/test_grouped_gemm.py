@@ -6,6 +6,7 @@ and, elsewhere, check that the op refuses with a clear error.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -28,9 +29,35 @@ SCHEMES = pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "te
                                                           ("fp8", "token", "channel")])
 
 
-def use_pair(monkeypatch, pair: str) -> None:
-    if pair:
-        monkeypatch.setenv("HOPPER_MOE_CUTE_PAIR", pair)
+def cfg(**settings) -> str:
+    """The launch config string of the grouped-GEMM ops: cfg(pair="1", k_splits=3) ->
+    "pair=1,k_splits=3"; settings that are None or "" are left to the heuristic (cfg() == "")."""
+    return ",".join(f"{key}={value}" for key, value in settings.items()
+                    if value is not None and value != "")
+
+
+# Configs every grouped-GEMM op accepts, on the CPU (which validates and otherwise ignores
+# them) and on the GPU.
+GOOD_CONFIGS = ["", "mapping=swap_ab", "mapping=standard", "pair=0", "pair=1", "pdl=0", "pdl=1",
+                *[f"k_splits={s}" for s in range(1, 9)],
+                "mapping=standard,pair=0,k_splits=3,pdl=0", "pair=1,k_splits=8,pdl=1"]
+# Configs every grouped-GEMM op rejects, on any device, with the RuntimeError's message.
+BAD_CONFIGS = [
+    ("mapping=sideways", "config: mapping must be swap_ab or standard (got 'sideways')"),
+    ("mapping=", "config: mapping must be swap_ab or standard (got '')"),
+    ("pair=2", "config: pair must be 0 or 1 (got '2')"),
+    ("pair=yes", "config: pair must be 0 or 1 (got 'yes')"),
+    *[(f"k_splits={v}", f"config: k_splits must be an integer in [1, 8] (got '{v}')")
+      for v in ("-1", "0", "9", "abc", "5ns")],
+    ("pdl=x", "config: pdl must be 0 or 1 (got 'x')"),
+    ("pdl=2", "config: pdl must be 0 or 1 (got '2')"),
+    ("foo=1", "config: unknown key 'foo' (keys: mapping, pair, k_splits, pdl)"),
+    ("pair=1,foo=1", "config: unknown key 'foo' (keys: mapping, pair, k_splits, pdl)"),
+    ("abc", "config: 'abc' is not key=value"),
+    ("pair=1,k_splits", "config: 'k_splits' is not key=value"),
+]
+BAD_CONFIG_CASES = pytest.mark.parametrize("config,message", BAD_CONFIGS,
+                                           ids=[c for c, _ in BAD_CONFIGS])
 
 
 def offsets_from_counts(counts, device="cpu"):
@@ -57,10 +84,10 @@ def make_problem(counts, n, k, dtype="bf16", a_mode="tensor", b_mode="tensor", s
             sb.float().to(device))
 
 
-def run(a, b, offs, sa, sb):
+def run(a, b, offs, sa, sb, config=""):
     out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16,
                      device=a.device)
-    return ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out)
+    return ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, config=config)
 
 
 def check_against_reference(out, a, b, offs, sa, sb, atol=2e-2, rtol=1e-2):
@@ -142,6 +169,37 @@ def test_opcheck():
              "test_aot_dispatch_dynamic")  # torch.allclose has no fp8 kernel (test_schema)
         torch.library.opcheck(torch.ops.hopper_moe.moe_grouped_gemm.default,
                               (out, a, b, offs, sa, sb), test_utils=tests)
+
+
+@pytest.mark.parametrize("config", GOOD_CONFIGS)
+def test_cpu_accepts_every_config(config):
+    """The CPU definition validates a config and otherwise ignores it: the same bits as the
+    heuristic's call."""
+    for dtype, a_mode, b_mode in (("bf16", "tensor", "tensor"), ("fp8", "token", "channel")):
+        a, b, offs, sa, sb = make_problem([3, 0, 5, 1], 64, 128, dtype, a_mode, b_mode)
+        assert torch.equal(run(a, b, offs, sa, sb, config=config).view(torch.int16),
+                           run(a, b, offs, sa, sb).view(torch.int16))
+
+
+@BAD_CONFIG_CASES
+def test_cpu_rejects_a_bad_config(config, message):
+    """The config rule is shared by the CPU and the CUDA paths (test_cuda_rejects_a_bad_config)."""
+    a, b, offs, _, _ = make_problem([2, 3], 32, 64)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run(a, b, offs, None, None, config=config)
+    out = torch.empty(5, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.hopper_moe.moe_grouped_gemm(out, a, b, offs, None, None, False, config)
+
+
+def test_opcheck_with_config():
+    a, b, offs, sa, sb = make_problem([2, 0, 3], 32, 64)
+    out = torch.zeros(a.shape[0], 32, dtype=torch.bfloat16)
+    for offsets_ready, config in ((False, "pair=1,k_splits=2"), (True, "mapping=standard,pdl=0")):
+        torch.library.opcheck(torch.ops.hopper_moe.moe_grouped_gemm.default,
+                              (out, a, b, offs, sa, sb, offsets_ready, config),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 # --------------------------------------------------------------------------- cutlass_moe_mm
@@ -272,8 +330,8 @@ def test_cuda_refuses_off_sm90():
 @sm90
 @SCHEMES
 @PAIRS
-def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
-    use_pair(monkeypatch, pair)
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair):
+    config = cfg(pair=pair)
     rng = random.Random(5)
     failures = []
     for case in range(120):
@@ -290,7 +348,7 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
         a, b, offs, sa, sb = make_problem(counts, n, k, dtype, a_mode, b_mode, seed=case,
                                           device="cuda")
         try:
-            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+            check_against_reference(run(a, b, offs, sa, sb, config), a, b, offs, sa, sb)
         except AssertionError as err:
             failures.append(f"case={case} E={e} M={m_tot} N={n} K={k}: "
                             f"{str(err).splitlines()[0]}")
@@ -301,14 +359,14 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, pair, monkeypatch):
 @sm90
 @SCHEMES
 @PAIRS
-def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
+def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair):
     """Each token tile of heuristics/sm90.h (bf16 16..128, FP8 16..64), picked through m_total:
     8 * tile rows over 16 experts put the fullest expert's expected rows above the next smaller
     tile and within this one. Ragged counts: the first and last experts empty, experts of the
     tile's size, one over and one under it, one of 2 tiles + 5 rows (three token tiles, the
     last partial), the rest spread at random; N = 200 (a partial weight tile), more k-tiles
     than stages and a K tail."""
-    use_pair(monkeypatch, pair)
+    config = cfg(pair=pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     e, n = 16, 200
     k = 1032 if dtype == "bf16" else 1040  # 17 k-tiles of 64 / 9 of 128, both with a tail
@@ -324,7 +382,7 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
         a, b, offs, sa, sb = make_problem(counts, n, k, dtype, a_mode, b_mode, seed=tile,
                                           device="cuda")
         try:
-            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+            check_against_reference(run(a, b, offs, sa, sb, config), a, b, offs, sa, sb)
         except AssertionError as err:
             failures.append(f"tile={tile} counts={counts}: {str(err).splitlines()[0]}")
     assert not failures, "\n".join(failures)
@@ -334,13 +392,13 @@ def test_cuda_every_token_tile(dtype, a_mode, b_mode, pair, monkeypatch):
 @sm90
 @SCHEMES
 @pytest.mark.parametrize("pair", ["0", "1"], ids=["unpaired", "pair"])
-def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
+def test_cuda_k_split(dtype, a_mode, b_mode, pair):
     """Launches with so few units that heuristics/sm90.h splits K (2 to 4 ways): partial sums
     of every split added once, scales applied once, rows that no expert owns (here the last,
     past offsets[E]) left untouched, N and K tails. Without warpgroup pairs (mixtral's GEMM2
     at one token, the third case, is a pair by the heuristic) and with them forced, which
     keeps the 128-row units' split."""
-    use_pair(monkeypatch, pair)
+    config = cfg(pair=pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     failures = []
     for counts, extra, n, k in (([1, 0, 0, 1], 1, 512, 8192), ([0, 2, 1], 0, 200, 8208),
@@ -354,7 +412,7 @@ def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
         if sb is not None:
             sb = sb[:len(counts)].contiguous()
         try:
-            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+            check_against_reference(run(a, b, offs, sa, sb, config), a, b, offs, sa, sb)
         except AssertionError as err:
             failures.append(f"counts={counts}+{extra} N={n} K={k} splits={splits}: "
                             f"{str(err).splitlines()[0]}")
@@ -365,12 +423,11 @@ def test_cuda_k_split(dtype, a_mode, b_mode, pair, monkeypatch):
 @sm90
 @SCHEMES
 @PAIRS
-def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
-    """Every K split 1..8 forced through HOPPER_MOE_CUTE_K_SPLITS: many units per CTA, a K
+def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, pair):
+    """Every K split 1..8 forced through the config (k_splits=N): many units per CTA, a K
     range per split that is empty for the last splits (K of a few k-tiles), N and K tails,
     empty experts and rows past the last expert; each against the reference, and the split
     outputs close to the unsplit one."""
-    use_pair(monkeypatch, pair)
     rng = random.Random(8)
     counts = [0] * 48
     for _ in range(150):
@@ -384,9 +441,8 @@ def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
             sb = sb[:len(counts)].contiguous()
         unsplit = None
         for splits in range(1, 9):
-            monkeypatch.setenv("HOPPER_MOE_CUTE_K_SPLITS", str(splits))
             try:
-                out = run(a, b, offs, sa, sb)
+                out = run(a, b, offs, sa, sb, cfg(pair=pair, k_splits=splits))
                 check_against_reference(out, a, b, offs, sa, sb)
                 if unsplit is None:
                     unsplit = out
@@ -395,7 +451,6 @@ def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
                                                rtol=1e-2, equal_nan=True)
             except (AssertionError, RuntimeError) as err:
                 failures.append(f"N={n} K={k} splits={splits}: {str(err).splitlines()[0]}")
-    monkeypatch.delenv("HOPPER_MOE_CUTE_K_SPLITS")
     assert not failures, "\n".join(failures)
 
 
@@ -404,13 +459,13 @@ def test_cuda_every_forced_k_split(dtype, a_mode, b_mode, monkeypatch, pair):
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
 @PAIRS
-def test_cuda_persistent_units(dtype, a_mode, b_mode, pair, monkeypatch):
+def test_cuda_persistent_units(dtype, a_mode, b_mode, pair):
     """The persistent scheduler: launches with many units per CTA (256 experts x 8 weight
     tiles; 1024 experts, the prefix table's capacity, most of them empty; one expert with
     hundreds of rows, so dozens of token tiles, next to an empty one), a column count that is
     not a multiple of 8 (element stores) and an output row stride that is not either (a view
     into a wider buffer, whose extra columns must stay untouched)."""
-    use_pair(monkeypatch, pair)
+    config = cfg(pair=pair)
     rng = random.Random(21)
     failures = []
     for e, m_tot, n, k, pad in ((256, 512, 1024, 256, 0), (1024, 64, 64, 128, 0),
@@ -426,7 +481,7 @@ def test_cuda_persistent_units(dtype, a_mode, b_mode, pair, monkeypatch):
         buf = torch.full((a.shape[0], n + pad), float("nan"), dtype=torch.bfloat16,
                          device="cuda")
         out = buf[:, :n]
-        ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out)
+        ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, config=config)
         try:
             assert torch.isnan(buf[:, n:]).all(), "columns past N stay untouched"
             check_against_reference(out, a, b, offs, sa, sb)
@@ -439,12 +494,12 @@ def test_cuda_persistent_units(dtype, a_mode, b_mode, pair, monkeypatch):
 @gpu
 @sm90
 @SCHEMES
-def test_cuda_standard_mapping(dtype, a_mode, b_mode, monkeypatch):
+def test_cuda_standard_mapping(dtype, a_mode, b_mode):
     """The standard mapping (tokens on wgmma's A side), chosen where the fullest expert's rows
     outgrow the swap-AB tiles: ragged experts of hundreds of rows (several 128-row token
     tiles, the last partial, empty experts between), N not a multiple of the 256 / 128 weight
     tile, a K tail; a K split of it (one expert, few units); then both mappings forced through
-    HOPPER_MOE_CUTE_MAPPING on the same small and large problems."""
+    the config (mapping=swap_ab|standard) on the same small and large problems."""
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     k = 1032 if dtype == "bf16" else 1040
     problems = [([300, 0, 129, 513, 0, 7], 200, k), ([1000, 24], 384, k),
@@ -457,83 +512,47 @@ def test_cuda_standard_mapping(dtype, a_mode, b_mode, monkeypatch):
               ("standard", [300, 0, 129, 513], 200, k)]
     cases = [(None, c, n, kk) for c, n, kk in problems] + forced
     for mapping, counts, n, kk in cases:
-        if mapping is None:
-            monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING", raising=False)
-        else:
-            monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", mapping)
         a, b, offs, sa, sb = make_problem(counts, n, kk, dtype, a_mode, b_mode, seed=n + kk,
                                           device="cuda")
         try:
-            check_against_reference(run(a, b, offs, sa, sb), a, b, offs, sa, sb)
+            check_against_reference(run(a, b, offs, sa, sb, cfg(mapping=mapping)), a, b, offs,
+                                    sa, sb)
         except AssertionError as err:
             failures.append(f"mapping={mapping} counts={counts} N={n} K={kk}: "
                             f"{str(err).splitlines()[0]}")
-    monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING", raising=False)
     assert not failures, "\n".join(failures)
-
-
-@gpu
-@sm90
-def test_cuda_rejects_a_bad_mapping_override(monkeypatch):
-    monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", "sideways")
-    a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
-    with pytest.raises(RuntimeError, match="HOPPER_MOE_CUTE_MAPPING must be swap_ab or standard"):
-        run(a, b, offs, None, None)
-
-
-# The launch knobs for measuring (csrc/ops/grouped_gemm.cu): each changes when or how the
-# weights are requested, or which CTA runs a unit, never what a unit computes.
-MEASURING_KNOBS = {
-    "HOPPER_MOE_CUTE_STAGGER_NS": ("50", "2000"),
-    "HOPPER_MOE_CUTE_EVICT_FIRST": ("0", "1"),
-    "HOPPER_MOE_CUTE_BALANCE": ("0", "1"),
-}
-KNOB_RANGES = {"HOPPER_MOE_CUTE_STAGGER_NS": (0, 2000), "HOPPER_MOE_CUTE_EVICT_FIRST": (0, 1),
-               "HOPPER_MOE_CUTE_BALANCE": (0, 1), "HOPPER_MOE_CUTE_K_SPLITS": (1, 8)}
 
 
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode", [("bf16", "tensor", "tensor"),
                                                  ("fp8", "token", "channel")])
-@pytest.mark.parametrize("knob", sorted(MEASURING_KNOBS))
 @PAIRS
-def test_cuda_measuring_knob_changes_no_bit(dtype, a_mode, b_mode, knob, pair, monkeypatch):
-    """A staggered start (up to the 20 us cap), either L2 policy for the weights and the
-    balanced or the full grid at any wave count give the default launch's outputs bit for bit,
-    with and without a K split and through the offsets_ready prefetch."""
-    use_pair(monkeypatch, pair)
+def test_cuda_offsets_ready_and_pdl_change_no_bit(dtype, a_mode, b_mode, pair):
+    """The offsets_ready prefetch and a launch without programmatic dependent launch (pdl=0)
+    give the default launch's outputs bit for bit, with and without a K split."""
     a, b, offs, sa, sb = make_problem([5, 0, 40, 1, 17], 520, 4112, dtype, a_mode, b_mode,
                                       seed=23, device="cuda")
     for splits in ("", "3"):
-        if splits:
-            monkeypatch.setenv("HOPPER_MOE_CUTE_K_SPLITS", splits)
-        monkeypatch.delenv(knob, raising=False)
-        want = run(a, b, offs, sa, sb)
-        for value in MEASURING_KNOBS[knob]:
-            monkeypatch.setenv(knob, value)
-            got = run(a, b, offs, sa, sb)
-            assert torch.equal(got.isnan(), want.isnan()), (splits, value)
-            assert torch.equal(got.nan_to_num(), want.nan_to_num()), (splits, value)
-            out = torch.full_like(want, float("nan"))
-            ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, offsets_ready=True)
-            assert torch.equal(out.nan_to_num(), want.nan_to_num()), (splits, value, "ready")
-    check_against_reference(want, a, b, offs, sa, sb)
+        want = run(a, b, offs, sa, sb, cfg(pair=pair, k_splits=splits))
+        for pdl in ("", "0", "1"):
+            config = cfg(pair=pair, k_splits=splits, pdl=pdl)
+            for offsets_ready in (False, True):
+                out = torch.full_like(want, float("nan"))
+                ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, offsets_ready=offsets_ready,
+                                     config=config)
+                assert torch.equal(out.isnan(), want.isnan()), (config, offsets_ready)
+                assert torch.equal(out.nan_to_num(), want.nan_to_num()), (config, offsets_ready)
+        check_against_reference(want, a, b, offs, sa, sb)
 
 
 @gpu
 @sm90
-@pytest.mark.parametrize("knob", sorted(KNOB_RANGES))
-@pytest.mark.parametrize("value", ["-1", "hi+1", "abc", "5ns", ""])
-def test_cuda_rejects_a_bad_knob(knob, value, monkeypatch):
-    lo, hi = KNOB_RANGES[knob]
-    monkeypatch.setenv(knob, str(hi + 1) if value == "hi+1" else value)
+@BAD_CONFIG_CASES
+def test_cuda_rejects_a_bad_config(config, message):
     a, b, offs, _, _ = make_problem([2, 3], 64, 64, device="cuda")
-    if value == "":  # unset in effect: the default launch
-        check_against_reference(run(a, b, offs, None, None), a, b, offs, None, None)
-        return
-    with pytest.raises(RuntimeError, match=rf"{knob} must be an integer in \[{lo}, {hi}\]"):
-        run(a, b, offs, None, None)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run(a, b, offs, None, None, config=config)
 
 
 @gpu
@@ -562,22 +581,22 @@ def test_cuda_fp8_large_k_accumulation():
     (256, 256, 1, ([600, 0, 0, 0], [0, 100, 499, 1], [150, 150, 150, 150])),  # standard
 ])
 @PAIRS
-def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays, pair, monkeypatch):
-    use_pair(monkeypatch, pair)
+def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays, pair):
+    config = cfg(pair=pair)
     m = sum(replays[0])
     assert rule_k_splits("bf16", m, 4, n, k) == splits
     a, b, offs, _, _ = make_problem(replays[-1], n, k, device="cuda")
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ops.moe_grouped_gemm(a, b, offs, out=out)  # warm-up outside the capture
+    ops.moe_grouped_gemm(a, b, offs, out=out, config=config)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.moe_grouped_gemm(a, b, offs, out=out)
+        ops.moe_grouped_gemm(a, b, offs, out=out, config=config)
     for counts in replays:
         offs.copy_(offsets_from_counts(counts, "cuda"))
         a.copy_(torch.randn_like(a, dtype=torch.float32).bfloat16())
         out.fill_(float("nan"))
         graph.replay()
-        assert torch.equal(out, run(a, b, offs, None, None))
+        assert torch.equal(out, run(a, b, offs, None, None, config))
         check_against_reference(out, a, b, offs, None, None)
 
 

@@ -1,32 +1,28 @@
 """moe_grouped_gemm_chain: GEMM1 with SiLU*mul (and a static FP8 quantization of h), then GEMM2
-over h, in one call. Its CPU definition is the two ops one after the other; on an SM90 GPU the
-chained kernels (HOPPER_MOE_CUTE_CHAIN=1: GEMM2 starting on each expert's rows once GEMM1 has
-written them) must equal the two ops on the same device bit for bit, h and out, over ragged
-decode and prefill problems, with GEMM1 split over K (no chain), with the chain turned off
-(the default), in CUDA-graph replays with new expert counts, and call after call behind a long
-kernel; and out is checked against the fp32 reference of GEMM2 over the h the kernel wrote.
+over h, in one call. Its CPU definition is the two ops one after the other; on an SM90 GPU its
+two dependent launches must equal the two ops on the same device bit for bit, h and out, over
+ragged decode and prefill problems, under forced configs (K splits, the warpgroup pair, a
+mapping, no programmatic dependent launch; the same config given to the two ops), in CUDA-graph
+replays with new expert counts, and call after call behind a long kernel; and out is checked
+against the fp32 reference of GEMM2 over the h the kernel wrote.
 """
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 from conftest import gpu
-from test_grouped_gemm import check_against_reference, make_problem, offsets_from_counts, sm90
+from test_grouped_gemm import (BAD_CONFIG_CASES, GOOD_CONFIGS, check_against_reference,
+                               make_problem, offsets_from_counts, sm90)
 from test_grouped_gemm_silu_mul import (FP8, _failures, check, make_gated, same_bits,
                                         untouched)
 
 from hopper_moe import ops, reference
 
 CHAIN = torch.ops.hopper_moe.moe_grouped_gemm_chain
-
-
-@pytest.fixture(autouse=True)
-def chained(monkeypatch):
-    """The kernels chain (HOPPER_MOE_CUTE_CHAIN=1, off by default) unless a test says not."""
-    monkeypatch.setenv("HOPPER_MOE_CUTE_CHAIN", "1")
 
 
 def make_chain(counts, inter, k, n2, dtype="bf16", a_mode="tensor", b_mode="tensor",
@@ -46,27 +42,29 @@ def poisoned(m, cols, dtype, device):
     return torch.full((m, cols), float("nan"), dtype=dtype, device=device)
 
 
-def run_chain(a, w1, w2, offs, sa, s1, hs, s2, offsets_ready=False):
+def run_chain(a, w1, w2, offs, sa, s1, hs, s2, offsets_ready=False, config=""):
     m, inter = a.shape[0], w1.shape[1] // 2
     h = poisoned(m, inter, FP8 if hs is not None else torch.bfloat16, a.device)
     out = poisoned(m, w2.shape[1], torch.bfloat16, a.device)
     ops.moe_grouped_gemm_chain(a, w1, w2, offs, sa, s1, hs, s2, out=out, h=h,
-                               offsets_ready=offsets_ready)
+                               offsets_ready=offsets_ready, config=config)
     return out, h
 
 
-def run_two_ops(a, w1, w2, offs, sa, s1, hs, s2):
+def run_two_ops(a, w1, w2, offs, sa, s1, hs, s2, config=""):
+    """The two ops in turn, each with the chain's config (for the chain, k_splits applies to
+    both GEMMs)."""
     m, inter = a.shape[0], w1.shape[1] // 2
     h = poisoned(m, inter, FP8 if hs is not None else torch.bfloat16, a.device)
     out = poisoned(m, w2.shape[1], torch.bfloat16, a.device)
-    ops.moe_grouped_gemm_silu_mul(a, w1, offs, sa, s1, hs, out=h)
-    ops.moe_grouped_gemm(h, w2, offs, hs, s2, out=out)
+    ops.moe_grouped_gemm_silu_mul(a, w1, offs, sa, s1, hs, out=h, config=config)
+    ops.moe_grouped_gemm(h, w2, offs, hs, s2, out=out, config=config)
     return out, h
 
 
-def matches_two_ops(got, problem):
+def matches_two_ops(got, problem, config=""):
     out, h = got
-    want_out, want_h = run_two_ops(*problem)
+    want_out, want_h = run_two_ops(*problem, config=config)
     assert same_bits(h, want_h), "h differs from moe_grouped_gemm_silu_mul's"
     assert same_bits(out, want_out), "out differs from moe_grouped_gemm's over that h"
 
@@ -148,6 +146,40 @@ def test_opcheck():
              "test_aot_dispatch_dynamic")
         torch.library.opcheck(CHAIN.default, (out, h, a, w1, w2, offs, sa, s1, hs, s2, False),
                               test_utils=tests)
+
+
+@pytest.mark.parametrize("config", GOOD_CONFIGS)
+def test_cpu_accepts_every_config(config):
+    """The CPU definition validates a config and otherwise ignores it: the same bits as the
+    heuristic's call, bf16 and FP8 (e4m3 h)."""
+    for dtype, h_scale in (("bf16", None), ("fp8", 0.02)):
+        problem = make_chain([3, 0, 5, 1], 32, 128, 48, dtype, h_scale=h_scale)
+        out, h = run_chain(*problem, config=config)
+        want_out, want_h = run_chain(*problem)
+        assert same_bits(h, want_h) and same_bits(out, want_out)
+
+
+@BAD_CONFIG_CASES
+def test_cpu_rejects_a_bad_config(config, message):
+    problem = make_chain([2, 3], 16, 64, 32)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run_chain(*problem, config=config)
+    a, w1, w2, offs, _, _, _, _ = problem
+    out = torch.empty(5, 32, dtype=torch.bfloat16)
+    h = torch.empty(5, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        CHAIN(out, h, a, w1, w2, offs, None, None, None, None, False, config)
+
+
+def test_opcheck_with_config():
+    a, w1, w2, offs, sa, s1, hs, s2 = make_chain([2, 0, 3], 16, 64, 32)
+    h = torch.zeros(a.shape[0], 16, dtype=torch.bfloat16)
+    out = torch.zeros(a.shape[0], 32, dtype=torch.bfloat16)
+    for offsets_ready, config in ((False, "k_splits=3,pair=1"), (True, "mapping=standard,pdl=0")):
+        torch.library.opcheck(CHAIN.default,
+                              (out, h, a, w1, w2, offs, sa, s1, hs, s2, offsets_ready, config),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -252,30 +284,19 @@ def test_cuda_mixtral_decode_shapes(fp8):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("setting", ["HOPPER_MOE_CUTE_CHAIN=0", "HOPPER_MOE_CUTE_K_SPLITS=2",
-                                     "HOPPER_MOE_CUTE_PAIR=1", "HOPPER_MOE_PDL=0",
-                                     "HOPPER_MOE_CUTE_CHAIN_K_SPLITS=3",
-                                     "HOPPER_MOE_CUTE_CHAIN_GRID=300"])
-def test_cuda_unchained_and_forced_configs(setting, monkeypatch):
-    """The chain turned off, GEMM1 split over K (which does not chain: the reduce kernel
-    writes h), the warpgroup pair, and no programmatic dependent launch (GEMM2 starts after
-    GEMM1), more GEMM2 CTAs than SMs: the same bits as the two ops under the same setting. A
-    split of the chain's GEMM2 alone (which the two ops do not see): h the same bits, out
-    against the reference."""
-    name, value = setting.split("=")
-    monkeypatch.setenv(name, value)
+@pytest.mark.parametrize("config", ["k_splits=2", "k_splits=3", "pair=1", "pair=0",
+                                    "mapping=standard", "pdl=0", "pair=1,k_splits=2,pdl=0"])
+def test_cuda_forced_configs(config):
+    """Both GEMMs split over K, the warpgroup pair forced on and off, the standard mapping
+    forced, and no programmatic dependent launch (GEMM2 starts after GEMM1): the same bits as
+    the two ops under the same config."""
     for dtype, a_mode, b_mode, h_scale in SCHEMES[:2]:
         for counts, inter, k, n2 in (([1, 0, 1, 0], 1024, 2048, 512),
                                      ([3, 0, 5, 9, 1, 0, 0, 2], 256, 512, 264)):
             problem = make_chain(counts, inter, k, n2, dtype, a_mode, b_mode, h_scale,
                                  seed=inter, device="cuda")
-            got = run_chain(*problem)
-            if name != "HOPPER_MOE_CUTE_CHAIN_K_SPLITS":
-                matches_two_ops(got, problem)
-                continue
-            out, h = got
-            assert same_bits(h, run_two_ops(*problem)[1]), "h differs from GEMM1's"
-            check_out_against_reference(out, h, problem, dtype == "fp8")
+            got = run_chain(*problem, config=config)
+            matches_two_ops(got, problem, config)
 
 
 @gpu
@@ -326,17 +347,10 @@ def test_cuda_call_after_call_behind_a_long_kernel():
     assert not mismatches, f"calls {mismatches} differ from the two ops"
 
 
-CHAIN_KNOBS = {"HOPPER_MOE_CUTE_CHAIN": (0, 1), "HOPPER_MOE_CUTE_CHAIN_K_SPLITS": (1, 8),
-               "HOPPER_MOE_CUTE_CHAIN_GRID": (1, 65536)}
-
-
 @gpu
 @sm90
-@pytest.mark.parametrize("knob", sorted(CHAIN_KNOBS))
-@pytest.mark.parametrize("value", ["-1", "hi+1", "abc", "5ns"])
-def test_cuda_rejects_a_bad_chain_knob(knob, value, monkeypatch):
-    lo, hi = CHAIN_KNOBS[knob]
-    monkeypatch.setenv(knob, str(hi + 1) if value == "hi+1" else value)
+@BAD_CONFIG_CASES
+def test_cuda_rejects_a_bad_config(config, message):
     problem = make_chain([2, 3], 64, 64, 64, device="cuda")
-    with pytest.raises(RuntimeError, match=rf"{knob} must be an integer in \[{lo}, {hi}\]"):
-        run_chain(*problem)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run_chain(*problem, config=config)

@@ -6,12 +6,14 @@ tails, strided outputs, CUDA-graph replay, with and without programmatic depende
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 from conftest import gpu
-from test_grouped_gemm import make_problem, offsets_from_counts, sm90
+from test_grouped_gemm import (BAD_CONFIG_CASES, GOOD_CONFIGS, cfg, make_problem,
+                               offsets_from_counts, sm90)
 from test_heuristics import TILES, rule_k_splits, rule_swap_ab, rule_token_tile
 
 from hopper_moe import ops, reference
@@ -23,11 +25,6 @@ NAN_E4M3 = 0x7F  # the poison byte of e4m3 outputs (a NaN)
 
 # The swap-AB warpgroup pair: as the heuristic chooses it, and forced wherever a launch has one.
 PAIRS = pytest.mark.parametrize("pair", ["", "1"], ids=["heuristic", "pair"])
-
-
-def use_pair(monkeypatch, pair: str) -> None:
-    if pair:
-        monkeypatch.setenv("HOPPER_MOE_CUTE_PAIR", pair)
 
 
 def make_gated(counts, inter, k, dtype="bf16", a_mode="tensor", b_mode="tensor", seed=0,
@@ -55,10 +52,10 @@ def untouched(t):
     return torch.isnan(t.float())
 
 
-def run(a, b, offs, sa, sb, scale, pad=0):
+def run(a, b, offs, sa, sb, scale, pad=0, config=""):
     inter = b.shape[1] // 2
     buf, out = poisoned_out(a.shape[0], inter, scale is not None, a.device, pad)
-    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out, config=config)
     if pad:
         assert untouched(buf[:, inter:]).all(), "columns past I stay untouched"
     return out
@@ -98,12 +95,12 @@ def same_bits(x, y):
     return torch.equal(x.view(view), y.view(view))
 
 
-def unfused_on_device(a, b, offs, sa, sb, scale):
+def unfused_on_device(a, b, offs, sa, sb, scale, config=""):
     """moe_grouped_gemm into a bf16 temporary, then silu_and_mul(_quant) of the rows each expert
     owns (rows of no expert keep the poison): the fused kernel must equal this bit for bit,
-    since both run the same wgmma sums in the same order."""
+    since both run the same wgmma sums in the same order (under the same config)."""
     inter = b.shape[1] // 2
-    h = ops.moe_grouped_gemm(a, b, offs, sa, sb)
+    h = ops.moe_grouped_gemm(a, b, offs, sa, sb, config=config)
     _, out = poisoned_out(a.shape[0], inter, scale is not None, a.device)
     bounds = offs.clamp(0, a.shape[0]).tolist()
     for e in range(b.shape[0]):
@@ -117,8 +114,8 @@ def unfused_on_device(a, b, offs, sa, sb, scale):
     return out
 
 
-def matches_unfused(out, a, b, offs, sa, sb, scale):
-    assert same_bits(out, unfused_on_device(a, b, offs, sa, sb, scale)), \
+def matches_unfused(out, a, b, offs, sa, sb, scale, config=""):
+    assert same_bits(out, unfused_on_device(a, b, offs, sa, sb, scale, config)), \
         "fused SiLU*mul differs from moe_grouped_gemm + silu_and_mul on the same device"
 
 
@@ -203,19 +200,51 @@ def test_opcheck():
                               (out, a, b, offs, sa, sb, scale, False, amax), test_utils=tests)
 
 
+@pytest.mark.parametrize("config", GOOD_CONFIGS)
+def test_cpu_accepts_every_config(config):
+    """The CPU definition validates a config and otherwise ignores it: the same bits as the
+    heuristic's call, bf16 and e4m3 outputs."""
+    for dtype, out_scale in (("bf16", None), ("fp8", 0.03)):
+        a, b, offs, sa, sb, scale = make_gated([3, 0, 5, 1], 32, 128, dtype,
+                                               out_scale=out_scale)
+        assert same_bits(run(a, b, offs, sa, sb, scale, config=config),
+                         run(a, b, offs, sa, sb, scale))
+
+
+@BAD_CONFIG_CASES
+def test_cpu_rejects_a_bad_config(config, message):
+    a, b, offs, _, _, _ = make_gated([2, 3], 16, 64)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run(a, b, offs, None, None, None, config=config)
+    out = torch.empty(5, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.hopper_moe.moe_grouped_gemm_silu_mul(out, a, b, offs, None, None, None, False,
+                                                       None, config)
+
+
+def test_opcheck_with_config():
+    a, b, offs, sa, sb, scale = make_gated([2, 0, 3], 24, 64)
+    out = torch.zeros(a.shape[0], 24, dtype=torch.bfloat16)
+    for amax, config in ((None, "pair=1,k_splits=2"), (torch.full((1,), 1e-3), "pdl=0")):
+        torch.library.opcheck(torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default,
+                              (out, a, b, offs, sa, sb, scale, False, amax, config),
+                              test_utils=("test_schema", "test_autograd_registration",
+                                          "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def dynamic_scale_of(h_rows):
     """dynamic_scaled_fp8_quant's scale of these bf16 rows (the same device)."""
     _, scale = ops.scaled_fp8_quant(h_rows)
     return scale
 
 
-def check_amax_scale(a, b, offs, sa, sb):
+def check_amax_scale(a, b, offs, sa, sb, config=""):
     """amax_scale, started at the floor, ends as the dynamic per-tensor scale of the rows the
     GEMM writes (rows of no expert zero-filled, as the unfused layer did), bit for bit; and
     the static quantization with it equals the dynamic one."""
     floor = torch.full((1,), 1.0 / (448 * 512), device=a.device)
     h = torch.zeros(a.shape[0], b.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
-    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, out=h, amax_scale=floor)
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, out=h, amax_scale=floor, config=config)
     want = dynamic_scale_of(h)
     assert torch.equal(floor, want), (floor.item(), want.item())
     q_static, _ = ops.scaled_fp8_quant(h, floor)
@@ -258,10 +287,10 @@ def _failures(cases, fn):
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
 @PAIRS
-def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale, pair, monkeypatch):
+def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale, pair):
     """Random decode problems: E in {1, 8, 64, 128, 256}, 1..64 rows (sometimes all in one
     expert), I with tails (not a multiple of the 64-column tile, or of 8: element stores)."""
-    use_pair(monkeypatch, pair)
+    config = cfg(pair=pair)
     rng = random.Random(7)
     cases = []
     for case in range(60):
@@ -280,8 +309,8 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale, pair, mon
                                  device="cuda", out_scale=out_scale)))
 
     def one(a, b, offs, sa, sb, scale):
-        out = run(a, b, offs, sa, sb, scale)
-        matches_unfused(out, a, b, offs, sa, sb, scale)
+        out = run(a, b, offs, sa, sb, scale, config=config)
+        matches_unfused(out, a, b, offs, sa, sb, scale, config)
         check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     _failures(cases, one)
 
@@ -290,12 +319,12 @@ def test_cuda_grid_matches_reference(dtype, a_mode, b_mode, out_scale, pair, mon
 @sm90
 @pytest.mark.parametrize("dtype,a_mode,b_mode,out_scale", GPU_SCHEMES)
 @PAIRS
-def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_scale,
-                                                  monkeypatch, pair):
+def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_scale, pair):
     """Every swap-AB token tile (ragged experts with 3 token tiles, the last partial), the
     standard mapping at hundreds and at 16k rows, a K split (few units, long K, the reduce
-    kernel's SiLU*mul), an output whose row stride is not a multiple of 8."""
-    use_pair(monkeypatch, pair)
+    kernel's SiLU*mul), an output whose row stride is not a multiple of 8; then both mappings
+    forced through the config on one ragged problem."""
+    config = cfg(pair=pair)
     kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
     k = 1032 if dtype == "bf16" else 1040
     rng = random.Random(3)
@@ -319,60 +348,58 @@ def test_cuda_every_tile_both_mappings_and_splits(dtype, a_mode, b_mode, out_sca
         a, b, offs, sa, sb, scale = make_gated(counts, inter, kk, dtype, a_mode, b_mode,
                                                seed=inter + kk, device="cuda",
                                                out_scale=out_scale)
-        out = run(a, b, offs, sa, sb, scale, pad=pad)
-        matches_unfused(out, a, b, offs, sa, sb, scale)
+        out = run(a, b, offs, sa, sb, scale, pad=pad, config=config)
+        matches_unfused(out, a, b, offs, sa, sb, scale, config)
         check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
     _failures([(label, args) for label, args in cases], one)
     # Both mappings forced on one ragged problem.
     for mapping in ("swap_ab", "standard"):
-        monkeypatch.setenv("HOPPER_MOE_CUTE_MAPPING", mapping)
+        forced = cfg(mapping=mapping, pair=pair)
         a, b, offs, sa, sb, scale = make_gated([300, 0, 129, 3], 136, k, dtype, a_mode, b_mode,
                                                device="cuda", out_scale=out_scale)
-        out = run(a, b, offs, sa, sb, scale)
-        matches_unfused(out, a, b, offs, sa, sb, scale)
+        out = run(a, b, offs, sa, sb, scale, config=forced)
+        matches_unfused(out, a, b, offs, sa, sb, scale, forced)
         check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
-    monkeypatch.delenv("HOPPER_MOE_CUTE_MAPPING")
 
 
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @PAIRS
-def test_cuda_amax_scale_is_the_dynamic_scale(dtype, pair, monkeypatch):
+def test_cuda_amax_scale_is_the_dynamic_scale(dtype, pair):
     """The epilogue's amax fold over swap-AB tiles, the standard mapping, a K split (the
     reduce kernel's fold) and rows that no expert owns."""
-    use_pair(monkeypatch, pair)
+    config = cfg(pair=pair)
     assert rule_k_splits("bf16" if dtype == "bf16" else "e4m3", 2, 2, 2048, 8208) > 1
     cases = [([3, 0, 5, 1], 2, 200, 512), ([1, 1], 0, 1024, 8208),
              ([300, 0, 129, 513], 3, 136, 512), ([0] * 63 + [9], 0, 256, 256)]
     _failures([(f"counts={c}+{x} I={i} K={k}",
                 gated_with_unowned_rows(c, x, i, k, dtype, seed=i, device="cuda"))
-               for c, x, i, k in cases], check_amax_scale)
+               for c, x, i, k in cases],
+              lambda a, b, offs, sa, sb: check_amax_scale(a, b, offs, sa, sb, config))
 
 
 @gpu
 @sm90
-def test_cuda_programmatic_launch_changes_nothing(monkeypatch):
+def test_cuda_programmatic_launch_changes_nothing():
     """The GEMMs of a layer back to back, with offsets_ready and as dependent launches, equal
-    the same launches with HOPPER_MOE_PDL=0 bit for bit (eager and graph-replayed)."""
+    the same launches with pdl=0 in their config bit for bit (eager and graph-replayed)."""
     a, b, offs, _, _, _ = make_gated([7, 0, 30, 1], 768, 2048, device="cuda")
     w2 = (torch.randn(4, 2048, 768, device="cuda") / 768 ** 0.5).bfloat16()
 
-    def layer():
-        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True)
-        return ops.moe_grouped_gemm(h, w2, offs, offsets_ready=True)
+    def layer(config):
+        h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True, config=config)
+        return ops.moe_grouped_gemm(h, w2, offs, offsets_ready=True, config=config)
 
     outs = {}
     for pdl in ("1", "0"):
-        monkeypatch.setenv("HOPPER_MOE_PDL", pdl)
-        eager = layer()
+        eager = layer(cfg(pdl=pdl))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = layer()
+            captured = layer(cfg(pdl=pdl))
         graph.replay()
         torch.cuda.synchronize()
         outs[pdl] = (eager.clone(), captured.clone())
-    monkeypatch.delenv("HOPPER_MOE_PDL")
     assert torch.equal(outs["1"][0], outs["0"][0])
     assert torch.equal(outs["1"][1], outs["0"][0])
     assert torch.equal(outs["0"][1], outs["0"][0])
@@ -382,23 +409,32 @@ def test_cuda_programmatic_launch_changes_nothing(monkeypatch):
 @sm90
 @pytest.mark.parametrize("out_scale", [None, 0.02])
 @PAIRS
-def test_cuda_graph_replay_with_new_offsets(out_scale, pair, monkeypatch):
-    use_pair(monkeypatch, pair)
+def test_cuda_graph_replay_with_new_offsets(out_scale, pair):
+    config = cfg(pair=pair)
     dtype = "bf16" if out_scale is None else "fp8"
     replays = ([16, 0, 0, 0], [0, 1, 15, 0], [4, 4, 4, 4], [600, 0, 0, 1])
     m = max(sum(r) for r in replays)
     a, b, offs, sa, sb, scale = make_gated([m, 0, 0, 0], 192, 256, dtype, device="cuda",
                                            out_scale=out_scale)
     buf, out = poisoned_out(m, 192, scale is not None, "cuda")
-    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+    ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out, config=config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out)
+        ops.moe_grouped_gemm_silu_mul(a, b, offs, sa, sb, scale, out=out, config=config)
     for counts in replays:
         offs.copy_(offsets_from_counts(counts, "cuda"))
         fresh, _ = poisoned_out(m, 192, scale is not None, "cuda")
         buf.copy_(fresh)
         graph.replay()
-        eager = run(a, b, offs, sa, sb, scale)
+        eager = run(a, b, offs, sa, sb, scale, config=config)
         assert same_bits(out, eager)
         check(out, a, b, offs, sa, sb, scale, fp8_gemm_error=dtype == "fp8")
+
+
+@gpu
+@sm90
+@BAD_CONFIG_CASES
+def test_cuda_rejects_a_bad_config(config, message):
+    a, b, offs, _, _, _ = make_gated([2, 3], 64, 64, device="cuda")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        run(a, b, offs, None, None, None, config=config)

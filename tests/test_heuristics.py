@@ -122,7 +122,7 @@ def rule_pair(dtype: str, m_total: int, num_experts: int, n: int, k: int,
 def rule_k_splits(dtype: str, m_total: int, num_experts: int, n: int, k: int,
                   sm_count: int = H200_SMS, allow_pair: bool = True) -> int:
     """The K split the rule gives, computed independently of the header (allow_pair=False:
-    the rule without warpgroup pairs, HOPPER_MOE_CUTE_PAIR=0)."""
+    the rule without warpgroup pairs, as a launch with config "pair=0" applies it)."""
     if allow_pair and rule_pair(dtype, m_total, num_experts, n, k, sm_count):
         return 1
     return split_rule(rule_units(dtype, m_total, num_experts, n), -(-k // BLOCK_K[dtype]),
@@ -176,14 +176,21 @@ int main(int argc, char** argv) {
     std::puts(standard_config(GemmDtype::kE4m3).to_string().c_str());
     return 0;
   }
+  // "force": each query line ends with the override's swap_ab, pair and k_splits fields.
+  const bool forced = argc > 1 && std::strcmp(argv[1], "force") == 0;
   char dtype[8];
   long long m_total;
   int num_experts, n, k, sm_count;
   while (std::scanf("%7s %lld %d %d %d %d", dtype, &m_total, &num_experts, &n, &k,
                     &sm_count) == 6) {
     const GemmDtype d = std::strcmp(dtype, "bf16") == 0 ? GemmDtype::kBf16 : GemmDtype::kE4m3;
-    std::puts(
-        choose_grouped_gemm_sm90(d, m_total, num_experts, n, k, sm_count).to_string().c_str());
+    GroupedGemmOverride force;
+    if (forced && std::scanf("%d %d %d", &force.swap_ab, &force.pair, &force.k_splits) != 3) {
+      return 1;
+    }
+    std::puts(choose_grouped_gemm_sm90(d, m_total, num_experts, n, k, sm_count, force)
+                  .to_string()
+                  .c_str());
   }
   return 0;
 }
@@ -213,6 +220,17 @@ def choose(driver, queries, sm_count=H200_SMS):
     """queries: (dtype, m_total, num_experts, n, k) -> the parsed configs, in order."""
     stdin = "".join(" ".join(map(str, (*q, sm_count))) + "\n" for q in queries)
     out = subprocess.run([str(driver)], input=stdin, capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(queries)
+    return [parse(line) for line in lines]
+
+
+def choose_forced(driver, queries, sm_count=H200_SMS):
+    """queries: (dtype, m_total, num_experts, n, k, swap_ab, pair, k_splits), the last three
+    the override's fields (-1 / -1 / 0: unset) -> the parsed configs, in order."""
+    stdin = "".join(" ".join(map(str, (*q[:5], sm_count, *q[5:]))) + "\n" for q in queries)
+    out = subprocess.run([str(driver), "force"], input=stdin, capture_output=True, text=True,
+                         check=True)
     lines = out.stdout.splitlines()
     assert len(lines) == len(queries)
     return [parse(line) for line in lines]
@@ -412,3 +430,31 @@ def test_instantiations_cover_the_candidates(driver):
         for t in gen.PAIR_TILES:
             assert f"moe_gemm_swapab_pair_sm90<GemmDtype::{enum}, {t}>" in dispatch
             assert f"moe_gemm_swapab_pair_sm90_{d}_t{t}.cu" in files
+
+
+def test_forced_configs(driver):
+    """The ops' `config` argument as the heuristic applies it: an unset override is the
+    heuristic's choice; a forced mapping, pair or K split replaces that part only, and a
+    forced pair or split recomputes the grid."""
+    # mixtral GEMM2 (N = 4096, K = 14336) at one token: the heuristic pairs it.
+    base_q = ("bf16", 2, 8, 4096, 14336)
+    (plain,) = choose(driver, [base_q])
+    assert plain["pair"] == 1 and plain["swap_ab"] == 1
+    unset, standard, no_pair, split3 = choose_forced(driver, [
+        (*base_q, -1, -1, 0), (*base_q, 0, -1, 0), (*base_q, -1, 0, 0), (*base_q, -1, 0, 3)])
+    assert unset == plain
+    assert standard["swap_ab"] == 0 and standard["block_t"] == STANDARD["bf16"][1]
+    assert standard["block_n"] == STANDARD["bf16"][0] and standard["pair"] == 0
+    assert no_pair["pair"] == 0 and no_pair["block_n"] == BLOCK_N
+    assert no_pair["k_splits"] == rule_k_splits("bf16", 2, 8, 4096, 14336, H200_SMS,
+                                                allow_pair=False)
+    assert split3["pair"] == 0 and split3["k_splits"] == 3
+    # qwen3_30b GEMM1 (N = 1536, K = 2048) at 4 tokens: no pair by the rule; forced, the pair
+    # keeps the heuristic's K split; on the standard mapping a forced pair is no pair.
+    q = ("e4m3", 32, 128, 1536, 2048)
+    (plain,) = choose(driver, [q])
+    assert plain["pair"] == 0 and plain["block_t"] == 16
+    pair, std_pair = choose_forced(driver, [(*q, -1, 1, 0), (*q, 0, 1, 0)])
+    assert pair["pair"] == 1 and pair["block_n"] == PAIR_BLOCK_N
+    assert pair["k_splits"] == plain["k_splits"] and pair["block_t"] == plain["block_t"]
+    assert std_pair["pair"] == 0 and std_pair["swap_ab"] == 0

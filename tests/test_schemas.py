@@ -5,7 +5,7 @@ import torch
 
 import hopper_moe
 
-# The schema strings of ../shared/OPS.md, verbatim.
+# The schema strings of docs/OPS.md, verbatim.
 EXPECTED = [
     "topk_softmax(Tensor! topk_weights, Tensor! topk_indices, Tensor! token_expert_indices, Tensor gating_output, bool renormalize, Tensor? bias, Tensor? is_padding) -> ()",
     "topk_sigmoid(Tensor! topk_weights, Tensor! topk_indices, Tensor! token_expert_indices, Tensor gating_output, bool renormalize, Tensor? bias, float routed_scaling_factor, Tensor? is_padding) -> ()",
@@ -50,13 +50,13 @@ CUTLASS_MOE_MM = (
 # hopper_moe's own ops (not vLLM's): their schemas are pinned here.
 OWN = [
     "moe_grouped_gemm(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
-    "Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False) -> ()",
+    'Tensor? a_scales, Tensor? b_scales, bool offsets_ready=False, str config="") -> ()',
     "moe_grouped_gemm_silu_mul(Tensor! out, Tensor a, Tensor b, Tensor expert_offsets, "
     "Tensor? a_scales, Tensor? b_scales, Tensor? out_scale, bool offsets_ready=False, "
-    "Tensor(b!)? amax_scale=None) -> ()",
+    'Tensor(b!)? amax_scale=None, str config="") -> ()',
     "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
     "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
-    "Tensor? w2_scales, bool offsets_ready=False) -> ()",
+    'Tensor? w2_scales, bool offsets_ready=False, str config="") -> ()',
 ]
 
 

@@ -4,7 +4,7 @@ serializes a kernel's wgmma instructions.
 Reads a build log made with -Xptxas=-v (setup.py adds it) and prints a summary. Exit 1 if any
 kernel spills or uses local memory, or if ptxas reports (C7515) that it serialized the wgmma
 of a kernel: every wgmma then waits for its own completion before the next is issued, which a
-kernel with one batch in flight cannot afford (benchmarks/NOTES.md, v30).
+kernel with one batch in flight cannot afford.
 
     python tools/check_ptxas.py build/build.log
 """

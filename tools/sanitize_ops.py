@@ -11,7 +11,6 @@ layer.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -82,20 +81,21 @@ def layer_ops(T, E, K, H, I, expert_map=None, **kw):
     torch.cuda.synchronize()
 
 
-def gemm_ops(counts, n, k):
+def gemm_ops(counts, n, k, config=""):
     """moe_grouped_gemm (bf16; FP8 per-token x per-channel) with these rows per expert, then
     cutlass_moe_mm on the same rows, then moe_grouped_gemm_silu_mul (bf16 and e4m3 outputs)
     and a GEMM after it, and the two as moe_grouped_gemm_chain (bf16, FP8): N and K tails,
-    empty experts, one expert with every row."""
+    empty experts, one expert with every row. config: the launch config of the
+    grouped-GEMM ops ("" for the heuristic's; cutlass_moe_mm always runs the heuristic's)."""
     e, m = len(counts), sum(counts)
     offs = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(dev)
     a, b = randn(m, k), randn(e, n, k)
-    ops.moe_grouped_gemm(a, b, offs)
+    ops.moe_grouped_gemm(a, b, offs, config=config)
     fp8 = torch.float8_e4m3fn
     aq, bq = a.to(fp8), b.to(fp8)
     sa = torch.rand(m, 1, device=dev, generator=g) + 0.5
     sb = torch.rand(e, n, device=dev, generator=g) + 0.5
-    ops.moe_grouped_gemm(aq, bq, offs, sa, sb)
+    ops.moe_grouped_gemm(aq, bq, offs, sa, sb, config=config)
     sizes = torch.tensor([[c, n, k] if m > 64 else [n, c, k] for c in counts],
                          dtype=torch.int32, device=dev)
     strides = torch.full((e,), k, dtype=torch.int64, device=dev)
@@ -104,25 +104,21 @@ def gemm_ops(counts, n, k):
                        torch.full((e,), n, dtype=torch.int64, device=dev), True, True)
     if n % 2 == 0:  # SiLU*mul in the epilogue: bf16 out, e4m3 out, GEMM2 after it (PDL)
         h = ops.moe_grouped_gemm_silu_mul(a, b, offs, offsets_ready=True,
-                                          amax_scale=torch.full((1,), 1e-6, device=dev))
+                                          amax_scale=torch.full((1,), 1e-6, device=dev),
+                                          config=config)
         if (n // 2) % 8 == 0:  # GEMM2's K rows of 16-byte multiples
-            ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True)
-            # The chain: GEMM2 starts each expert's rows as soon as GEMM1 has written them
-            # (HOPPER_MOE_CUTE_CHAIN=1, off by default).
-            chain_env = os.environ.get("HOPPER_MOE_CUTE_CHAIN")
-            os.environ["HOPPER_MOE_CUTE_CHAIN"] = "1"
-            ops.moe_grouped_gemm_chain(a, b, randn(e, 72, n // 2), offs, offsets_ready=True)
+            ops.moe_grouped_gemm(h, randn(e, 64, n // 2), offs, offsets_ready=True,
+                                 config=config)
+            # The chain: GEMM1 with SiLU*mul, then GEMM2 as a dependent launch.
+            ops.moe_grouped_gemm_chain(a, b, randn(e, 72, n // 2), offs, offsets_ready=True,
+                                       config=config)
             if (n // 2) % 16 == 0:
                 ops.moe_grouped_gemm_chain(aq, bq, randn(e, 72, n // 2).to(fp8), offs, sa, sb,
                                            torch.full((1,), 0.05, device=dev),
                                            torch.rand(e, device=dev, generator=g) + 0.5,
-                                           offsets_ready=True)
-            if chain_env is None:
-                del os.environ["HOPPER_MOE_CUTE_CHAIN"]
-            else:
-                os.environ["HOPPER_MOE_CUTE_CHAIN"] = chain_env
+                                           offsets_ready=True, config=config)
         ops.moe_grouped_gemm_silu_mul(aq, bq, offs, sa, sb,
-                                      torch.full((1,), 0.05, device=dev))
+                                      torch.full((1,), 0.05, device=dev), config=config)
     torch.cuda.synchronize()
 
 
@@ -155,21 +151,16 @@ def main():
         # Forced K splits of 4 and 8 with several units per CTA and, at 8 ways of 4 k-tiles,
         # empty K ranges.
         for splits in ("4", "8"):
-            os.environ["HOPPER_MOE_CUTE_K_SPLITS"] = splits
-            gemm_ops([3, 0, 5, 2] * 6, 136, 272)
+            gemm_ops([3, 0, 5, 2] * 6, 136, 272, config=f"k_splits={splits}")
             print("ok grouped gemm, forced K split", splits)
-        del os.environ["HOPPER_MOE_CUTE_K_SPLITS"]
         # The warpgroup pair forced (swap-AB token tiles 16 and 32), unsplit and split 3 ways,
         # with N and K tails and an odd number of k-tiles per unit.
-        os.environ["HOPPER_MOE_CUTE_PAIR"] = "1"
         for counts, n, k in (([0, 5, 0, 3], 72, 176), ([10, 30, 0, 24], 128, 128),
                              ([3, 0, 5, 2] * 6, 136, 400)):
-            gemm_ops(counts, n, k)
+            gemm_ops(counts, n, k, config="pair=1")
             print("ok grouped gemm, forced pair", dict(experts=len(counts), n=n, k=k))
-        os.environ["HOPPER_MOE_CUTE_K_SPLITS"] = "3"
-        gemm_ops([3, 0, 5, 2] * 6, 136, 4112)
+        gemm_ops([3, 0, 5, 2] * 6, 136, 4112, config="pair=1,k_splits=3")
         print("ok grouped gemm, forced pair, K split 3")
-        del os.environ["HOPPER_MOE_CUTE_K_SPLITS"], os.environ["HOPPER_MOE_CUTE_PAIR"]
         for T, E, K in ((1, 8, 2), (40, 16, 4)):
             x = randn(T, 256)
             w1, w2 = randn(E, 256, 256) / 16, randn(E, 256, 128) / 16

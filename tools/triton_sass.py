@@ -26,7 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from hopper_moe.triton.moe_gemm import TOKEN_DEPENDENT_ARGS, moe_gemm_kernel  # noqa: E402
+from hopper_moe.kernels.moe_gemm import TOKEN_DEPENDENT_ARGS, moe_gemm_kernel  # noqa: E402
 
 QUANT = {"bf16": 0, "fp8_tensor": 1, "fp8_channel": 2, "fp8_block": 3}
 

@@ -3,6 +3,7 @@
 #include "ops.h"
 
 #include <limits>
+#include <string>
 #include <utility>
 
 namespace hopper_moe::check {
@@ -116,20 +117,75 @@ void check_gemm_silu_mul(const char* kOp, const at::Tensor& out, const at::Tenso
   check_operands(kOp, out, b.size(1) / 2, a, b, expert_offsets, a_scales, b_scales);
 }
 
+// An integer value of grouped_gemm_config in [lo, hi].
+int config_int(const char* kOp, const std::string& key, const std::string& value, int lo,
+               int hi) {
+  size_t used = 0;
+  long v = 0;
+  bool ok = !value.empty() && value.find_first_not_of("0123456789") == std::string::npos &&
+            value.size() < 10;
+  if (ok) {
+    v = std::stol(value, &used);
+    ok = used == value.size() && v >= lo && v <= hi;
+  }
+  if (lo == 0 && hi == 1) {
+    HM_CHECK(kOp, ok, "config: ", key, " must be 0 or 1 (got '", value, "')");
+  } else {
+    HM_CHECK(kOp, ok, "config: ", key, " must be an integer in [", lo, ", ", hi, "] (got '",
+             value, "')");
+  }
+  return int(v);
+}
+
 }  // namespace
+
+heuristics::GroupedGemmOverride grouped_gemm_config(const char* kOp, c10::string_view config) {
+  heuristics::GroupedGemmOverride force;
+  const std::string text(config.data(), config.size());
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find(',', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(begin, end - begin);
+    begin = end + 1;
+    const size_t eq = item.find('=');
+    HM_CHECK(kOp, eq != std::string::npos && eq > 0, "config: '", item,
+             "' is not key=value (keys: mapping, pair, k_splits, pdl)");
+    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+    if (key == "mapping") {
+      HM_CHECK(kOp, value == "swap_ab" || value == "standard",
+               "config: mapping must be swap_ab or standard (got '", value, "')");
+      force.swap_ab = value == "swap_ab" ? 1 : 0;
+    } else if (key == "pair") {
+      force.pair = config_int(kOp, key, value, 0, 1);
+    } else if (key == "k_splits") {
+      force.k_splits = config_int(kOp, key, value, 1, heuristics::kMaxKSplits);
+    } else if (key == "pdl") {
+      force.pdl = config_int(kOp, key, value, 0, 1);
+    } else {
+      HM_CHECK(kOp, false, "config: unknown key '", key,
+               "' (keys: mapping, pair, k_splits, pdl)");
+    }
+  }
+  return force;
+}
 
 void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales, bool /*offsets_ready*/) {
+                      const OptTensor& b_scales, bool /*offsets_ready*/,
+                      c10::string_view config) {
   check_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales);
+  grouped_gemm_config("moe_grouped_gemm", config);
 }
 
 void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& expert_offsets, const OptTensor& a_scales,
                                const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool /*offsets_ready*/, const OptTensor& amax_scale) {
+                               bool /*offsets_ready*/, const OptTensor& amax_scale,
+                               c10::string_view config) {
   check_gemm_silu_mul("moe_grouped_gemm_silu_mul", out, a, b, expert_offsets, a_scales,
                       b_scales, out_scale, amax_scale);
+  grouped_gemm_config("moe_grouped_gemm_silu_mul", config);
 }
 
 // GEMM1 (h = silu_mul(a . w1^T)) and GEMM2 (out = h . w2^T) of one expert set: a, w1 and w2
@@ -141,8 +197,10 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
                             const at::Tensor& w1, const at::Tensor& w2,
                             const at::Tensor& expert_offsets, const OptTensor& a_scales,
                             const OptTensor& w1_scales, const OptTensor& h_scale,
-                            const OptTensor& w2_scales, bool /*offsets_ready*/) {
+                            const OptTensor& w2_scales, bool /*offsets_ready*/,
+                            c10::string_view config) {
   constexpr const char* kOp = "moe_grouped_gemm_chain";
+  grouped_gemm_config(kOp, config);
   HM_CHECK_DTYPE(kOp, a, {at::kBFloat16, at::kFloat8_e4m3fn});
   const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
   HM_CHECK(kOp, w1.scalar_type() == a.scalar_type() && w2.scalar_type() == a.scalar_type(),

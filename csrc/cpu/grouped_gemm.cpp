@@ -18,8 +18,8 @@ namespace hopper_moe::cpu {
 
 void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& expert_offsets, const OptTensor& a_scales,
-                      const OptTensor& b_scales, bool offsets_ready) {
-  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
+                      const OptTensor& b_scales, bool offsets_ready, c10::string_view config) {
+  check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready, config);
   const int64_t m = a.size(0), e_count = b.size(0), n = b.size(1);
   if (m == 0 || n == 0) return;
   const auto offsets = expert_offsets.cpu();
@@ -48,13 +48,14 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
 void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& expert_offsets, const OptTensor& a_scales,
                                const OptTensor& b_scales, const OptTensor& out_scale,
-                               bool offsets_ready, const OptTensor& amax_scale) {
+                               bool offsets_ready, const OptTensor& amax_scale,
+                               c10::string_view config) {
   check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
-                                   offsets_ready, amax_scale);
+                                   offsets_ready, amax_scale, config);
   const int64_t m = a.size(0), e_count = b.size(0);
   if (m == 0 || out.size(1) == 0) return;
   at::Tensor h = at::zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
-  moe_grouped_gemm(h, a, b, expert_offsets, a_scales, b_scales, offsets_ready);
+  moe_grouped_gemm(h, a, b, expert_offsets, a_scales, b_scales, offsets_ready, "");
   const auto offsets = expert_offsets.cpu();
   const int64_t* off = offsets.data_ptr<int64_t>();
   for (int64_t e = 0; e < e_count; ++e) {
@@ -81,12 +82,13 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
                             const at::Tensor& w1, const at::Tensor& w2,
                             const at::Tensor& expert_offsets, const OptTensor& a_scales,
                             const OptTensor& w1_scales, const OptTensor& h_scale,
-                            const OptTensor& w2_scales, bool offsets_ready) {
+                            const OptTensor& w2_scales, bool offsets_ready,
+                            c10::string_view config) {
   check::moe_grouped_gemm_chain(out, h, a, w1, w2, expert_offsets, a_scales, w1_scales, h_scale,
-                                w2_scales, offsets_ready);
+                                w2_scales, offsets_ready, config);
   moe_grouped_gemm_silu_mul(h, a, w1, expert_offsets, a_scales, w1_scales, h_scale,
-                            offsets_ready, std::nullopt);
-  moe_grouped_gemm(out, h, w2, expert_offsets, h_scale, w2_scales, offsets_ready);
+                            offsets_ready, std::nullopt, "");
+  moe_grouped_gemm(out, h, w2, expert_offsets, h_scale, w2_scales, offsets_ready, "");
 }
 
 // cutlass_moe_mm: moe_grouped_gemm over the row ranges of gemm/cutlass_moe_mm_args.h.
@@ -102,7 +104,7 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
   const at::Tensor offsets = gemm::cutlass_moe_mm_row_offsets(
       expert_offsets, problem_sizes, gemm::cutlass_moe_mm_swapped(a_tensors));
   moe_grouped_gemm(out_tensors, a_tensors, b_tensors, offsets, a_scales, b_scales,
-                   /*offsets_ready=*/false);
+                   /*offsets_ready=*/false, /*config=*/"");
 }
 
 }  // namespace hopper_moe::cpu

@@ -21,8 +21,8 @@ using quant::kQuantThreads;
 
 // Dynamic per-tensor quantization of at most this many elements runs in one block (a decode
 // step's activations: mixtral's 2 x 14336 at one token, qwen3_30b's 32 x 768 at four); larger
-// tensors use three kernels. Measured (benchmarks/NOTES.md v13): at 2^17 elements the one
-// block was ~13 us slower than the three launches; at 2^15 and below it saves ~2 us.
+// tensors use three kernels: past 2^15 elements the one block is slower than the three
+// launches, below it saves their fill and drain.
 constexpr int64_t kSmallDynamicElems = int64_t{1} << 15;
 
 // 2-D grid of the row-wise elementwise kernels: x over vector units of a row, y over rows.

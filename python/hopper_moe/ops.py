@@ -2,7 +2,7 @@
 
 In-place wrappers forward to `torch.ops.hopper_moe.<op>`; allocating wrappers (the ones vLLM
 users call as `ops.scaled_fp8_quant(x)`, `ops.shuffle_rows(x, map)`, ...) allocate outputs and
-return them. Shapes and dtypes follow ../shared/OPS.md. No Python loops, and no host syncs
+return them. Shapes and dtypes follow docs/OPS.md. No Python loops, and no host syncs
 except one when moe_permute's cached slot indices grow (_slot_indices).
 """
 from __future__ import annotations
@@ -268,7 +268,8 @@ def cutlass_moe_mm(out_tensors: torch.Tensor, a_tensors: torch.Tensor, b_tensors
 
 def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor,
                      a_scales: torch.Tensor | None = None, b_scales: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, offsets_ready: bool = False) -> torch.Tensor:
+                     out: torch.Tensor | None = None, offsets_ready: bool = False,
+                     config: str | None = None) -> torch.Tensor:
     """out[r] = sa(r) * sb(e) * a[r] . b[e]^T for offsets[e] <= r < offsets[e+1].
 
     a [M, K] bf16 or fp8 e4m3 (rows grouped by expert), b [E, N, K] (a's dtype),
@@ -277,10 +278,15 @@ def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Ten
     On CUDA it runs the SM90 kernel (H100/H200 only; other GPUs get a RuntimeError).
     offsets_ready=True promises that the kernel launched just before on the stream does not
     write expert_offsets: the GEMM then reads them, and starts streaming weights, while that
-    kernel finishes (programmatic dependent launch)."""
+    kernel finishes (programmatic dependent launch).
+    config forces parts of the CUDA launch for tests and measurements: None or "" for the
+    heuristic's choice, else comma-separated key=value pairs: mapping=swap_ab|standard,
+    pair=0|1 (the swap-AB warpgroup pair), k_splits=1..8, pdl=0|1. Validated on every device
+    (a RuntimeError names the bad pair); it never changes the result beyond rounding."""
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
-    _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready)
+    _ops.moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready,
+                          config or "")
     return out
 
 
@@ -290,7 +296,8 @@ def moe_grouped_gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, expert_offsets: 
                               out_scale: torch.Tensor | None = None,
                               out: torch.Tensor | None = None,
                               offsets_ready: bool = False,
-                              amax_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              amax_scale: torch.Tensor | None = None,
+                              config: str | None = None) -> torch.Tensor:
     """GEMM1 of an MoE layer with SiLU*mul in its epilogue: with h = moe_grouped_gemm(a, b, ...)
     (bf16, b = [gate (I rows); up (I rows)] per expert), out[r, j] = silu(h[r, j]) * h[r, I + j]
     in fp32, rounded once to bf16, or quantized to e4m3 as clamp(v * (1 / out_scale)) when
@@ -298,12 +305,12 @@ def moe_grouped_gemm_silu_mul(a: torch.Tensor, b: torch.Tensor, expert_offsets: 
     expert are not written. offsets_ready as in moe_grouped_gemm. amax_scale (f32 [1], bf16
     out only; a non-negative start value, e.g. the floor 1 / (448 * 512)) is updated to
     max(amax_scale, amax |out| / 448) over the rows written: the dynamic per-tensor FP8 scale
-    of out, for static_scaled_fp8_quant to apply."""
+    of out, for static_scaled_fp8_quant to apply. config as in moe_grouped_gemm."""
     if out is None:
         dtype = torch.float8_e4m3fn if out_scale is not None else torch.bfloat16
         out = torch.empty((a.shape[0], b.shape[1] // 2), dtype=dtype, device=a.device)
     _ops.moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
-                                   offsets_ready, amax_scale)
+                                   offsets_ready, amax_scale, config or "")
     return out
 
 
@@ -313,7 +320,8 @@ def moe_grouped_gemm_chain(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                            h_scale: torch.Tensor | None = None,
                            w2_scales: torch.Tensor | None = None,
                            out: torch.Tensor | None = None, h: torch.Tensor | None = None,
-                           offsets_ready: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           offsets_ready: bool = False,
+                           config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1 and GEMM2 of an MoE layer's experts in one call:
     h = moe_grouped_gemm_silu_mul(a, w1, expert_offsets, a_scales, w1_scales, h_scale) and
     out = moe_grouped_gemm(h, w2, expert_offsets, h_scale, w2_scales), with the same results.
@@ -322,15 +330,14 @@ def moe_grouped_gemm_chain(a: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     with a_scales / w1_scales (GEMM1's, as in moe_grouped_gemm), h_scale f32 [1] (the static
     per-tensor scale h is quantized with, GEMM2's a scale) and w2_scales ([E] or [E, N]).
     Returns (out [M, N] bf16, h [M, I] bf16 or e4m3); rows outside every expert are not
-    written. On CUDA with HOPPER_MOE_CUTE_CHAIN=1, GEMM2 starts on each expert's rows as soon
-    as GEMM1 has written them rather than after all of GEMM1 (off by default: the per-expert
-    counters need a fill kernel before GEMM1, which costs a layer more than the early start
-    gains). offsets_ready as in moe_grouped_gemm (for the kernel before GEMM1)."""
+    written. On CUDA these are two launches, GEMM2 a dependent launch of GEMM1. offsets_ready
+    as in moe_grouped_gemm (for the kernel before GEMM1); config as in moe_grouped_gemm, for
+    both GEMMs."""
     if h is None:
         dtype = torch.float8_e4m3fn if h_scale is not None else torch.bfloat16
         h = torch.empty((a.shape[0], w1.shape[1] // 2), dtype=dtype, device=a.device)
     if out is None:
         out = torch.empty((a.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a.device)
     _ops.moe_grouped_gemm_chain(out, h, a, w1, w2, expert_offsets, a_scales, w1_scales, h_scale,
-                                w2_scales, offsets_ready)
+                                w2_scales, offsets_ready, config or "")
     return out, h

@@ -15,9 +15,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "hopper_moe/common/settings.h"
 
 namespace hopper_moe::pdl {
 
@@ -44,14 +44,9 @@ inline cudaLaunchAttribute programmatic_serialization(bool enabled) {
   return attr;
 }
 
-// HOPPER_MOE_PDL=0 turns the overlap off for every launch that offers it (to measure it).
-inline bool enabled_by_env() {
-  const char* env = std::getenv("HOPPER_MOE_PDL");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
-
 // Launches kernel<<<grid, block, smem, stream>>>(args...) as a dependent launch (unless
-// HOPPER_MOE_PDL=0); the kernel must follow the rule above. Returns the launch's error.
+// settings::pdl_enabled() is false); the kernel must follow the rule above. Returns the
+// launch's error.
 template <class... Params, class... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                    cudaStream_t stream, Args&&... args) {
@@ -60,7 +55,7 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr = programmatic_serialization(enabled_by_env());
+  cudaLaunchAttribute attr = programmatic_serialization(settings::pdl_enabled());
   config.attrs = &attr;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);

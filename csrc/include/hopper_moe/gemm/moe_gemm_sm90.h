@@ -11,14 +11,11 @@
 // With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
 // go to `partial` and are added by a second kernel.
 //
-// Status: compiled for sm_90a (csrc/instantiations/: one file per dtype and swap-AB token
-// tile, bf16 16/32/64/128 and FP8 16/32/64 tokens, and one per dtype for the standard mapping;
-// the mapping, tile and K split chosen per launch by heuristics/sm90.h) and validated on an
-// H200 through the ops moe_grouped_gemm, moe_grouped_gemm_silu_mul and cutlass_moe_mm
-// (tests/test_grouped_gemm.py, tests/test_grouped_gemm_silu_mul.py).
-// Persistent and warp-specialized (a TMA producer warpgroup, two wgmma consumer warpgroups)
-// over the units of the experts that have rows, for at most heuristics::kMaxExperts experts
-// (benchmarks/NOTES.md).
+// Compiled for sm_90a: one file per dtype and swap-AB token tile (bf16 16/32/64/128, FP8
+// 16/32/64 tokens), per dtype and warpgroup-pair token tile (16/32), and one per dtype for the
+// standard mapping (csrc/instantiations/); the mapping, tile and K split are chosen per launch
+// by heuristics/sm90.h. Persistent and warp-specialized, over the units of the experts that
+// have rows, for at most heuristics::kMaxExperts experts (kernel_moe_gemm_sm90.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,19 +27,6 @@
 namespace hopper_moe::gemm {
 
 enum class ScaleMode : int { kNone = 0, kPerTensor = 1, kPerRow = 2 };
-
-// The per-CTA timeline of diagnosis builds (-DHOPPER_MOE_GEMM_TIMELINE; kernel_moe_gemm_sm90.cuh,
-// tools/gemm_timeline.py): one row of kTimelineFields int64 per CTA of a launch, the
-// producer's fields (its marker first, then the launch's shape and its stamps), then the
-// consumers' (marker, first k-tile, units, the first kTimelineUnits units' starts, end).
-inline constexpr int kTimelineUnits = 8;
-enum TimelineField : int {
-  kTlProducer = 0, kTlN, kTlK, kTlSilu, kTlSplits, kTlGrid, kTlCta, kTlSm, kTlStart, kTlReady,
-  kTlWaited, kTlIssued,
-  kTlConsumer, kTlFirst, kTlUnits, kTlUnit0,
-  kTlEnd = kTlUnit0 + kTimelineUnits,
-  kTimelineFields
-};
 
 struct MoeGemmArgs {
   const void* x = nullptr;            // [m_total, K]
@@ -80,26 +64,8 @@ struct MoeGemmArgs {
   // is a grouped GEMM, which writes no offsets.)
   bool pdl = true;
   bool offsets_ready = false;
-  // For measuring: CTA b's producer waits ~b x start_stagger_ns before its first copy, so the
-  // grid's first stages are requested (and arrive) in CTA order instead of all at once.
-  int start_stagger_ns = 0;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
-  // A chain of two launches, GEMM1 (SiLU*mul) then GEMM2 over GEMM1's output, in which
-  // GEMM2 starts on an expert's rows as soon as GEMM1 has written them instead of after all
-  // of GEMM1. handoff_signal (GEMM1, unsplit): [num_experts] counters, zero when GEMM1
-  // starts; each unit adds the outputs it wrote (so an expert's counter ends at its rows x
-  // act_n). handoff_wait (GEMM2, the next launch on the stream, k = GEMM1's act_n): the same
-  // counters; GEMM2 copies an expert's rows once its counter reaches rows x k, and does not
-  // complete before GEMM1 has. GEMM2 reads nothing else of GEMM1's before GEMM1 completes: its
-  // scales and other operands must not come from GEMM1 (as GEMM1's amax_scale would).
-  unsigned long long* handoff_signal = nullptr;
-  const unsigned long long* handoff_wait = nullptr;
-#ifdef HOPPER_MOE_GEMM_TIMELINE
-  // Diagnosis builds: [grid, kTimelineFields] int64 stamps of the launch (or null;
-  // kernel_moe_gemm_sm90.cuh, tools/gemm_timeline.py).
-  int64_t* timeline = nullptr;
-#endif
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`
@@ -109,7 +75,7 @@ cudaError_t moe_gemm_sm90(const MoeGemmArgs& args, const heuristics::GroupedGemm
 
 // Swap-AB with one token tile of heuristics::kTokenTilesBf16 / kTokenTilesE4m3, its warpgroup
 // pair with one of heuristics::kPairTokenTiles, and the standard mapping, per dtype:
-// explicitly instantiated in csrc/instantiations/ (defined in kernel_moe_gemm_sm90.cuh).
+// explicitly instantiated in csrc/instantiations/ (defined in launch_moe_gemm_sm90.cuh).
 template <heuristics::GemmDtype kDtype, int kBlockT>
 cudaError_t moe_gemm_swapab_sm90(const MoeGemmArgs& args, cudaStream_t stream);
 template <heuristics::GemmDtype kDtype, int kBlockT>

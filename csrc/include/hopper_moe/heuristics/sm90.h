@@ -1,4 +1,5 @@
-// Config choice of the SM90 grouped expert GEMM (gemm/kernel_moe_gemm_sm90.cuh).
+// Config choice of the SM90 grouped expert GEMM (gemm/kernel_moe_gemm_sm90.cuh). The
+// measurements behind each rule: benchmarks/notes/sm90_gemm.md.
 //
 // Pure and host-only: plain C++ with no CUDA or CuTe include, so a unit test compiles it with
 // the system compiler (tests/test_heuristics.py). The choice uses only what the host knows
@@ -8,39 +9,37 @@
 // Token tile: the fullest expert streams its weights ceil(rows / kBlockT) times, so the tile
 // is sized to the rows the fullest expert is expected to get under uniform routing,
 // mean + 2.5 sqrt(mean) with mean = m_total / num_experts (exceeded by ~0.6% of experts; the
-// rule of python/hopper_moe/triton/configs.py `expected_max_rows`), rounded up to a candidate.
+// rule of the Triton backend's `expected_max_rows`), rounded up to a candidate.
 // Mapping: swap-AB (weights on wgmma's 64-row A side, tokens the N side) while those rows fit
 // a swap-AB token tile; beyond the largest, the standard mapping (128 token rows on the A
 // side, 256 bf16 / 128 FP8 weight rows on the N side), whose k-tile does more math per byte of
 // shared memory than the 128 x 128 swap-AB tile.
-// The candidates stop at bf16 128 and FP8 64 tokens, where v8's single consumer warpgroup
-// (kBlockT fp32 accumulator registers per thread, twice for FP8's promotion) would spill; with
-// two consumer warpgroups a 128 x kBlockT tile is kBlockT / 2 registers per thread, so larger
+// The candidates stop at bf16 128 and FP8 64 tokens: a 128 x kBlockT tile is kBlockT / 2
+// fp32 accumulator registers per consumer thread (twice for FP8's promotion), and larger
 // tiles would fit but have no instantiation yet.
 // Stages: as many as fit the 227 KB of shared memory a CTA can have, at most 12. One CTA per
-// SM streams a decode launch's weights, so the bytes it keeps in flight bound its bandwidth
-// (v9: 8 stages of 18 KB); the small token tiles get 10-12 stages.
+// SM streams a decode launch's weights, so the bytes it keeps in flight bound its bandwidth;
+// the small token tiles get 10-12 stages.
 // K split: E (1 - (1 - 1/E)^m_total) experts are expected to have rows (uniform routing) and
 // at least ceil(m_total / block_t) token tiles are needed, so a launch has about
 // ceil(N / block_n) * max(active experts, ceil(m_total / block_t)) full-K units. The persistent
 // grid (one CTA per SM) runs them in ceil(units / sm_count) waves, the last one partial:
 // mixtral's GEMM2 at four tokens has 5 x 32 = 160 units for 132 SMs, 1.21 waves of work in 2.
 // Cutting each unit's K range s ways makes the waves ceil(units * s / sm_count) / s (160 units,
-// s = 4: 1.25). Measured per GEMM (benchmarks/NOTES.md, v10), the waves count where a launch
-// has under two waves of units; past that the SMs of the last wave stream faster and the
-// split buys nothing (mixtral GEMM1 at one token, 448 units: 126.4 us unsplit, 124.9 split 2
-// ways, 126.1 4 ways) or loses the reduction's launch. So: no split from kKSplitMaxWaves waves
-// up; below, the fewest splits within 3% of the best s <= kMaxKSplits, keeping >=
+// s = 4: 1.25). Measured per GEMM (benchmarks/notes/sm90_gemm.md), the waves count where a
+// launch has under two waves of units; past that the SMs of the last wave stream faster and
+// the split buys nothing or loses the reduction's launch. So: no split from kKSplitMaxWaves
+// waves up; below, the fewest splits within 3% of the best s <= kMaxKSplits, keeping >=
 // kMinKTilesPerSplit k-tiles (4 KB of each weight row) per split: below that the reduction
-// launch costs more than the waves save (qwen3_30b, K = 2048: 24.3 us unsplit, 26.9 in 2).
+// launch costs more than the waves save.
 // Warpgroup pair: swap-AB with 64-row units (token tiles 16 and 32), never split, only where
-// their waves replace a K split at no loss (use_warpgroup_pair; benchmarks/NOTES.md, v20 and
-// v21: pairs of an unsplit launch with a short last wave lost in FP8).
+// their waves replace a K split at no loss (use_warpgroup_pair: pairs of an unsplit launch
+// with a short last wave lose in FP8).
 // Grid: swap-AB launches of kBalanceMinWaves to kBalanceMaxWaves waves of expected units get
-// the fewest CTAs that keep the waves (persistent_grid), so that no CTA carries one unit more than the others
-// while the rest of the grid idles, and the SMs left over start the next launch. Swap-AB reads
-// each weight tile once (one token tile per expert is expected), so its weights are copied
-// evict-first, which keeps the tokens and outputs in L2 (benchmarks/NOTES.md, v24 and v25).
+// the fewest CTAs that keep the waves (persistent_grid), so that no CTA carries one unit
+// more than the others while the rest of the grid idles, and the SMs left over start the next
+// launch. Swap-AB reads each weight tile once (one token tile per expert is expected), so its
+// weights are copied evict-first, which keeps the tokens and outputs in L2.
 #pragma once
 
 #include <cmath>
@@ -259,10 +258,8 @@ inline int balanced_grid(int64_t units, int sm_count) {
 }
 
 // The persistent grid of a launch of config c: balanced (balanced_grid of its expected units)
-// from kBalanceMinWaves to kBalanceMaxWaves waves, every SM otherwise (benchmarks/NOTES.md,
-// v24 and v25). At 4 waves the short last wave of a full grid costs the most (mixtral GEMM1 at one
-// token: -3 us in FP8, -5 in bf16 on 112 CTAs). Past 8 it costs little (at 14 waves FP8 lost
-// 2 us on 128 CTAs). Below 4 the balanced grid can drop to half the SMs (133 units: 67 CTAs),
+// from kBalanceMinWaves to kBalanceMaxWaves waves, every SM otherwise. Around 4 waves the
+// short last wave of a full grid costs the most; past 8 it costs little. Below 4 the balanced grid can drop to half the SMs (133 units: 67 CTAs),
 // too few to pull HBM's bandwidth, and to one wave of exactly the expected units, where one
 // more expert than expected would take a second wave; from 4 waves up it keeps at least 3/4
 // of the SMs. Swap-AB only: the standard mapping's launches (prefill) with 4-8 waves have not
@@ -329,11 +326,38 @@ inline bool use_swap_ab(GemmDtype dtype, int64_t m_total, int num_experts) {
   return expected_max_rows(m_total, num_experts) <= double(largest);
 }
 
-// The mapping, token tile and K split for one launch.
+// An explicit choice that replaces part of the heuristic's, for tests and measurements (the
+// grouped-GEMM ops' `config` argument). Unset fields keep the heuristic's choice.
+struct GroupedGemmOverride {
+  int swap_ab = -1;  // 1: swap-AB, 0: the standard mapping
+  int pair = -1;     // 0: no warpgroup pair; 1: the pair wherever the launch has its token tile
+  int k_splits = 0;  // 1..kMaxKSplits
+  int pdl = -1;      // 0 / 1: the launches without / with programmatic dependent launch
+};
+
+// The mapping, token tile and K split for one launch, with the parts `force` sets replaced.
+// A forced pair keeps the K split chosen for 128-row units; a forced pair or split moves the
+// grid and cache policy with it.
 inline GroupedGemmConfig choose_grouped_gemm_sm90(GemmDtype dtype, int64_t m_total,
-                                                  int num_experts, int n, int k, int sm_count) {
-  return grouped_gemm_config_sm90(dtype, use_swap_ab(dtype, m_total, num_experts), m_total,
-                                  num_experts, n, k, sm_count);
+                                                  int num_experts, int n, int k, int sm_count,
+                                                  const GroupedGemmOverride& force = {}) {
+  const bool swap_ab =
+      force.swap_ab >= 0 ? force.swap_ab == 1 : use_swap_ab(dtype, m_total, num_experts);
+  GroupedGemmConfig c = grouped_gemm_config_sm90(dtype, swap_ab, m_total, num_experts, n, k,
+                                                 sm_count, /*allow_pair=*/force.pair != 0);
+  bool regrid = false;
+  if (force.pair == 1 && !c.pair() && c.swap_ab && has_pair_tile(c.block_t)) {
+    const int splits = c.k_splits;
+    c = swapab_pair_config(dtype, c.block_t);
+    c.k_splits = splits;
+    regrid = true;
+  }
+  if (force.k_splits > 0) {
+    c.k_splits = force.k_splits;
+    regrid = true;
+  }
+  if (regrid) set_grid_and_policy(c, m_total, num_experts, n, sm_count);
+  return c;
 }
 
 }  // namespace hopper_moe::heuristics

@@ -1,0 +1,113 @@
+// The producer role of the SM90 grouped GEMM: one elected thread of warpgroup 0 walks the
+// CTA's units and their k-tiles and, per k-tile, waits for a free slot (empty[s]), arms
+// full[s] with the slot's byte count and issues the TMA copies (cp.async.bulk.tensor) of the
+// weight tile (two boxes of kBlockN / 2 rows, at the rows the epilogue names) and the token
+// tile. It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
+// unit's weights arrive while the consumers run an epilogue.
+//
+// Programmatic dependent launch: with offsets_ready the first kStages weight tiles are
+// requested before waiting for the previous kernel (they never depend on it), the token tiles
+// after the wait. A prefetched slot's arrival comes with its token copy, so the consumers that
+// wait on it are ordered after the wait too.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "hopper_moe/common/pdl.cuh"
+#include "hopper_moe/gemm/config_moe_gemm_sm90.cuh"
+
+namespace hopper_moe::gemm {
+
+// `first` if kFirst, else `second` (by reference: the descriptors stay in param space).
+template <bool kFirst, class A, class B>
+CUTLASS_DEVICE const auto& pick(const A& first, const B& second) {
+  if constexpr (kFirst) return first; else return second;
+}
+
+template <class Config, class Epilogue, class Scheduler, class TmaA, class TmaB>
+CUTLASS_DEVICE void produce_moe_gemm(const MoeGemmParams& p,
+                                     typename Config::SharedStorage& smem, const TmaA& tma_a,
+                                     const TmaB& tma_b) {
+  using namespace cute;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr bool kSwapAB = Config::kSwapAB;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kBlockK = Config::kBlockK;
+  constexpr int kStages = Config::kStages;
+  constexpr int kWeightBox = Config::kWeightBox;
+  constexpr int kTileX = Config::kTileX;
+
+  cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+  const auto& tma_w = pick<kSwapAB>(tma_a, tma_b);
+  const auto& tma_x = pick<kSwapAB>(tma_b, tma_a);
+  // Coordinate views of the whole operands: the weights (E*N,K) and the tokens (M,K). Rows are
+  // int32 TMA coordinates: E*N and m_total stay below 2^31 (host check).
+  Tensor mW = tma_w.get_tma_tensor(make_shape(p.num_experts * p.n, p.k));  // (E*N,K)
+  Tensor mX = tma_x.get_tma_tensor(make_shape(int(p.m_total), p.k));       // (M,K)
+  auto* const w_ring = kSwapAB ? smem.a.begin() : smem.b.begin();
+  auto* const x_ring = kSwapAB ? smem.b.begin() : smem.a.begin();
+  const auto copy_weights = [&](const MoeGemmUnit& u, int kt, int s) {
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = Epilogue::weight_box_row(p, u.n0, h);
+      Tensor gW = local_tile(domain_offset(make_coord(u.expert * p.n + r, 0), mW),
+                             make_shape(Int<kWeightBox>{}, Int<kBlockK>{}),
+                             make_coord(0, kt));  // (BOX,BLK_K)
+      Tensor sW = make_tensor(make_smem_ptr(w_ring + (s * kBlockN + h * kWeightBox) * kBlockK),
+                              typename Config::SmemLayoutWBox{});  // (BOX,BLK_K)
+      auto [tg, ts] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
+                                    group_modes<0, 2>(gW));
+      copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90(p.weight_cache_hint)), tg, ts);
+    }
+  };
+  const auto copy_tokens = [&](const MoeGemmUnit& u, int kt, int s) {
+    Tensor gX = local_tile(domain_offset(make_coord(int(u.row_begin) + u.t0, 0), mX),
+                           make_shape(Int<kTileX>{}, Int<kBlockK>{}),
+                           make_coord(0, kt));  // (TILE_X,BLK_K)
+    Tensor sX = make_tensor(make_smem_ptr(x_ring + s * kTileX * kBlockK),
+                            typename Config::SmemLayoutXStage{});  // (TILE_X,BLK_K)
+    auto [tg, ts] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                  group_modes<0, 2>(gX));
+    copy(tma_x.with(smem.full[s]), tg, ts);
+  };
+
+  // Phase 1 first: a fresh barrier counts its preceding phase as complete, so the first
+  // kStages waits pass and the ring fills at once.
+  MoeGemmUnit u;
+  int prefetched = 0;
+  if (p.offsets_ready) {
+    cutlass::PipelineState<kStages> ahead(0, 1, 0);
+    for (Scheduler sched(p, smem.tile_prefix); prefetched < kStages && sched.next(u);) {
+      for (int kt = u.kt_begin; kt < u.kt_end && prefetched < kStages; ++kt, ++prefetched) {
+        const int s = ahead.index();
+        FullBarrier::expect_transaction(&smem.full[s], Config::kTxBytes);  // arrives below
+        copy_weights(u, kt, s);
+        ++ahead;
+      }
+    }
+  }
+  pdl::wait_for_prerequisites();
+  cutlass::PipelineState<kStages> write(0, 1, 0);
+  int issued = 0;
+  for (Scheduler sched(p, smem.tile_prefix); sched.next(u);) {
+    for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
+      const int s = write.index();
+      if (issued >= prefetched) {
+        EmptyBarrier::wait(&smem.empty[s], write.phase());
+        FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
+        copy_weights(u, kt, s);
+      } else {
+        FullBarrier::arrive(&smem.full[s]);
+      }
+      copy_tokens(u, kt, s);
+      ++write;
+    }
+  }
+}
+
+}  // namespace hopper_moe::gemm
