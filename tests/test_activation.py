@@ -334,3 +334,58 @@ def test_device_mismatch_raises():
     with pytest.raises(RuntimeError, match="scale"):
         ops.silu_and_mul_quant(torch.empty(4, 8, dtype=FP8, device="cuda"), x,
                                torch.tensor([1.0]))
+
+
+
+# ---------------------------------------------------------------- input audit: shared rules
+# csrc/checks/activation.cpp, the same for the CPU and the CUDA op (each *_cpu test has a GPU
+# twin).
+def _activation_audit_calls(dev):
+    buf = torch.zeros(8, 16, device=dev)
+    q = torch.empty(4, 8, dtype=torch.float8_e4m3fn, device=dev)
+    x = torch.zeros(4, 16, device=dev)
+    return [
+        # input reads rows 0, 2, 4, 6 of buf; result (rows 4..5 as [4, 8]) holds its row 4,
+        # past the input's first numel elements.
+        ("result must not overlap input",
+         lambda: torch.ops.hopper_moe.silu_and_mul(buf[4:6].view(4, 8), buf[::2])),
+        # the static scale (read) inside result (written).
+        ("result must not overlap scale",
+         lambda: torch.ops.hopper_moe.silu_and_mul_quant(q, x,
+                                                         q.view(torch.float32).view(-1)[:1])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_activation_audit_calls("cpu"))))
+def test_activation_input_audit_cpu(case):
+    message, call = _activation_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_activation_audit_calls("cpu"))))
+def test_activation_input_audit_cuda(case):
+    message, call = _activation_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def _broadcast_rows_accepted(dev):
+    """A read-only input whose rows are one broadcast row (row stride 0) is read like its
+    copy."""
+    x = make_input((1,), 16, torch.float32, seed=4, device=dev).expand(5, 32)
+    out = poison(torch.empty(5, 16, device=dev))
+    torch.ops.hopper_moe.silu_and_mul(out, x)
+    want = torch.empty_like(out)
+    torch.ops.hopper_moe.silu_and_mul(want, x.contiguous())
+    assert torch.equal(out, want)
+
+
+def test_broadcast_rows_accepted_cpu():
+    _broadcast_rows_accepted("cpu")
+
+
+@gpu
+def test_broadcast_rows_accepted_cuda():
+    _broadcast_rows_accepted("cuda")

@@ -483,3 +483,49 @@ def test_opcheck_cuda():
         torch.library.opcheck(DATA.default, args)
     for args in _opcheck_sizes_samples("cuda"):
         torch.library.opcheck(SIZES.default, args)
+
+
+# ------------------------------------------------------------- input audit: outputs disjoint
+# Every output must be disjoint from every other output and from the inputs (the same rule in
+# csrc/checks/gemm_data.cpp for the CPU and the CUDA op; *_cpu tests have a GPU twin).
+def _overlap_cases(device):
+    i32 = dict(dtype=torch.int32, device=device)
+    ids = torch.tensor([[0, 1], [2, 3]], **i32)
+    ps = torch.zeros(8, 3, **i32)  # rows 0..3: problem_sizes1, rows 2..5: problem_sizes2
+    offsets = torch.zeros(5, **i32)
+    perms = torch.zeros(4, **i32)
+    off64 = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int64, device=device)
+    both = torch.zeros(4, 3, **i32)
+    shared = torch.zeros(9, **i32)
+    return [
+        ("problem_sizes1 must not overlap problem_sizes2",
+         lambda: DATA(ids, offsets, ps[:4], ps[2:6], torch.zeros(4, **i32),
+                      torch.zeros(4, **i32), 4, 8, 16, None, True)),
+        ("input_permutation must not overlap output_permutation",
+         lambda: DATA(ids, offsets, torch.zeros(4, 3, **i32), torch.zeros(4, 3, **i32), perms,
+                      perms, 4, 8, 16, None, True)),
+        ("expert_offsets must not overlap topk_ids",
+         lambda: DATA(shared[:4].view(2, 2), shared[3:8], torch.zeros(4, 3, **i32),
+                      torch.zeros(4, 3, **i32), torch.zeros(4, **i32), torch.zeros(4, **i32), 4,
+                      8, 16, None, True)),
+        ("problem_sizes1 must not overlap problem_sizes2",
+         lambda: SIZES(off64, both, both, 8, 16, False)),
+        ("problem_sizes1 must not overlap expert_first_token_offset",
+         lambda: SIZES(both.view(-1)[:10].view(torch.int64), both, torch.zeros(4, 3, **i32), 8,
+                       16, False)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_overlap_cases("cpu"))))
+def test_outputs_must_not_overlap_cpu(case):
+    message, call = _overlap_cases("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_overlap_cases("cpu"))))
+def test_outputs_must_not_overlap_cuda(case):
+    message, call = _overlap_cases("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()

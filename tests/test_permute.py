@@ -923,3 +923,156 @@ def test_ops_gpu_opcheck(i):
     torch.library.opcheck(ops.moe_permute.default, permute_opcheck_samples("cuda")[i])
     torch.library.opcheck(ops.moe_unpermute.default, unpermute_opcheck_samples("cuda")[i])
     torch.library.opcheck(ops.shuffle_rows.default, shuffle_opcheck_samples("cuda")[i])
+
+
+# ---------------------------------------------------------------- input audit: shared rules
+# Outputs are checked against every other argument by the memory span they can touch (not only
+# their first numel elements), outputs may not be broadcast (stride 0), and read-only inputs
+# may be. The rules live in csrc/checks/permute.cpp: each *_cpu test has a GPU twin.
+def _dev_args(args, dev):
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def _permute_audit_calls(dev):
+    i32 = dict(dtype=torch.int32, device=dev)
+    ids = torch.zeros(4, 2, **i32)
+    cases = []
+
+    def align(**over):
+        a = _dev_args(align_args(ids, 4, 8), dev)
+        a.update(over)
+        return lambda: call_align(a)
+
+    sorted_ids = torch.zeros(36, **i32)
+    experts = torch.zeros(5, **i32)
+    cases += [
+        ("sorted_token_ids must not overlap scatter_idx",
+         align(sorted_token_ids=sorted_ids, scatter_idx=sorted_ids[:8])),
+        ("experts_ids must not overlap num_tokens_post_pad",
+         align(experts_ids=experts, num_tokens_post_pad=experts[4:])),
+        ("sorted_token_ids must not overlap topk_ids",
+         align(sorted_token_ids=sorted_ids, topk_ids=sorted_ids[:8].view(4, 2))),
+    ]
+
+    def permute(**over):
+        a = _dev_args(permute_args(), dev)
+        a.update(over)
+        return lambda: call_permute(a)
+
+    idx = torch.zeros(16, **i32)
+    rows = torch.zeros(16, 16, device=dev)
+    tei = torch.arange(8, **i32).view(4, 2)
+    cases += [
+        ("inv_permuted_idx must not overlap permuted_idx",
+         permute(inv_permuted_idx=idx[:8].view(4, 2), permuted_idx=idx[:8])),
+        ("permuted_input is written by the op and must not have stride 0",
+         permute(permuted_input=torch.empty(1, 16, device=dev).expand(8, 16))),
+        # permuted_input rows 0, 2, .., 14 of rows; input rows 9..12 hold its rows 10 and 12,
+        # past permuted_input's first numel elements.
+        ("permuted_input must not overlap input",
+         permute(permuted_input=rows[::2], input=rows[9:13])),
+        ("permuted_idx must not overlap token_expert_indices",
+         permute(token_expert_indices=tei, permuted_idx=tei.view(-1))),
+    ]
+
+    def unpermute(**over):
+        a = _dev_args(unpermute_args(), dev)
+        a.update(over)
+        return lambda: ops.moe_unpermute(*a.values())
+
+    hs = torch.zeros(4, 16, device=dev)
+    buf = torch.zeros(24, 16, device=dev)
+    cases += [
+        ("hidden_states is written by the op and must not have stride 0",
+         unpermute(hidden_states=torch.empty(1, 16, device=dev).expand(4, 16))),
+        ("hidden_states must not overlap topk_weights",
+         unpermute(hidden_states=hs, topk_weights=hs[0, :8].view(4, 2))),
+        ("hidden_states must not overlap permuted_hidden_states",
+         unpermute(permuted_hidden_states=buf[:16:2], hidden_states=buf[9:13])),
+    ]
+
+    def shuffle(**over):
+        a = _dev_args(shuffle_args(), dev)
+        a.update(over)
+        return lambda: ops.shuffle_rows(*a.values())
+
+    out = torch.zeros(6, 16, device=dev)
+    sbuf = torch.zeros(12, 16, device=dev)
+    cases += [
+        ("output_tensor is written by the op and must not have stride 0",
+         shuffle(output_tensor=torch.empty(1, 16, device=dev).expand(6, 16))),
+        ("output_tensor must not overlap dst2src_map",
+         shuffle(output_tensor=out, dst2src_map=out.view(torch.int32)[0, :6])),
+        # input rows 0, 3, 6, 9 of sbuf; the output's rows 4..9 hold two of them.
+        ("output_tensor must not overlap input_tensor",
+         shuffle(input_tensor=sbuf[::3], output_tensor=sbuf[4:10])),
+    ]
+    return cases
+
+
+def _audit_ids(calls):
+    return [f"{i}-{m.split(' must')[0]}" for i, (m, _) in enumerate(calls)]
+
+
+@pytest.mark.parametrize("case", range(len(_permute_audit_calls("cpu"))),
+                         ids=_audit_ids(_permute_audit_calls("cpu")))
+def test_permute_family_input_audit_cpu(case):
+    message, call = _permute_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_permute_audit_calls("cpu"))),
+                         ids=_audit_ids(_permute_audit_calls("cpu")))
+def test_permute_family_input_audit_cuda(case):
+    message, call = _permute_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def _align_buffers_zero_block_size(dev):
+    import hopper_moe.ops as hops
+    with pytest.raises(RuntimeError, match="block_size must be > 0"):
+        hops.moe_align_block_size_buffers(torch.zeros(4, 2, dtype=torch.int32, device=dev), 4, 0)
+    with pytest.raises(RuntimeError, match="block_size must be > 0"):
+        hops.moe_align_block_size_buffers(torch.zeros(4, 2, dtype=torch.int32, device=dev), 4, -8)
+    with pytest.raises(RuntimeError, match="block_size must be in"):
+        a = align_args(torch.zeros(4, 2, dtype=torch.int32), 4, 8)
+        call_align(_dev_args(dict(a, block_size=0), dev))
+
+
+def test_align_buffers_zero_block_size_cpu():
+    _align_buffers_zero_block_size("cpu")
+
+
+@gpu
+def test_align_buffers_zero_block_size_cuda():
+    _align_buffers_zero_block_size("cuda")
+
+
+def _broadcast_inputs_accepted(dev):
+    """Read-only inputs with a stride-0 (broadcast) row dimension are read like their
+    materialized copy."""
+    g = seeded(3)
+    row = torch.randn(1, 16, generator=g).to(dev)
+    x = row.expand(4, 16)
+    index = torch.tensor([3, 0, 1, 1, 2, 0], dtype=torch.int32, device=dev)
+    out = poison(torch.empty(6, 16, device=dev))
+    ops.shuffle_rows(x, index, out)
+    assert torch.equal(out, row.expand(6, 16))
+    perm = row.expand(8, 16)
+    weights = torch.full((4, 2), 0.5, device=dev)
+    inv = torch.arange(8, dtype=torch.int32, device=dev).view(4, 2)
+    hs = poison(torch.empty(4, 16, device=dev))
+    ops.moe_unpermute(perm, weights, inv, None, 2, hs)
+    torch.testing.assert_close(hs, row.expand(4, 16))
+
+
+def test_broadcast_inputs_accepted_cpu():
+    _broadcast_inputs_accepted("cpu")
+
+
+@gpu
+def test_broadcast_inputs_accepted_cuda():
+    _broadcast_inputs_accepted("cuda")

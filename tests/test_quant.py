@@ -667,3 +667,153 @@ def test_device_mismatch_raises():
     with pytest.raises(RuntimeError, match="output_q"):
         ops.per_token_group_fp8_quant(x, torch.empty(4, 16, dtype=FP8), torch.ones(4, 2),
                                       8, 1e-10, -448.0, 448.0, False, False, False)
+
+
+# ---------------------------------------------------------------- input audit: shared rules
+# csrc/checks/quant.cpp and quant::resolve_static_groups, the same for the CPU and the CUDA op
+# (each *_cpu test has a GPU twin).
+INT64_MAX = 2 ** 63 - 1
+
+
+def _quant_audit_calls(device):
+    f32 = dict(dtype=torch.float32, device=device)
+    x = torch.randn(4, 16, **f32)
+    q = torch.empty(4, 16, dtype=FP8, device=device)
+    empty = torch.empty(0, **f32)
+    static = ops.static_scaled_fp8_quant
+    buf = torch.zeros(8, 16, **f32)
+    return [
+        # A group count that used to overflow to 0 and match an empty scale (the kernels then
+        # read scale[0]).
+        (r"scale has 0 elements but group_shape \[9223372036854775807, -1\]",
+         lambda: static(q, x, empty, [INT64_MAX, -1])),
+        (r"scale has 0 elements but group_shape \[-1, 9223372036854775807\]",
+         lambda: static(q, x, empty, [-1, INT64_MAX])),
+        (r"scale has 0 elements but group_shape \[9223372036854775806, 1\]",
+         lambda: static(q, x, empty, [INT64_MAX - 1, 1])),
+        (r"scale must have shape \[1, 1\] for group_shape",
+         lambda: static(q, x, torch.empty(0, 1, **f32), [INT64_MAX, INT64_MAX])),
+        # Non-positive entries other than -1 (whole dimension).
+        (r"group_shape entries must be positive or -1",
+         lambda: static(q, x, torch.ones(4, **f32), [-2, -1])),
+        (r"group_shape entries must be positive or -1",
+         lambda: static(q, x, torch.ones(4, **f32), [1, 0])),
+        (r"group_shape entries must be positive or -1",
+         lambda: static(q, x, torch.ones(4, **f32), [-INT64_MAX - 1, -1])),
+        # Outputs against the other arguments, by the memory span they touch.
+        ("result must not overlap scale",
+         lambda: static(q, x, q.view(torch.float32).view(-1)[:1])),
+        ("scale must not overlap input",
+         lambda: ops.dynamic_scaled_fp8_quant(q, x, x.view(-1)[5:6])),
+        ("result must not overlap scale",
+         lambda: ops.dynamic_per_token_scaled_fp8_quant(
+             q, x, q.view(torch.float32).view(-1)[:4].view(4, 1), None)),
+        ("scale must not overlap input",
+         lambda: ops.dynamic_per_token_scaled_fp8_quant(q, x, x.view(-1)[:4].view(4, 1),
+                                                        None)),
+        ("output_s must not overlap input",
+         lambda: ops.per_token_group_fp8_quant(x, q, x[:, :2], 8, 1e-10, -448.0, 448.0, False,
+                                               False, False)),
+        ("output_q must not overlap output_s",
+         lambda: ops.per_token_group_fp8_quant(x, q, q.view(torch.float32)[:, :2], 8, 1e-10,
+                                               -448.0, 448.0, False, False, False)),
+        # input reads rows 0, 2, 4, 6 of buf; result (buf's row 4 as e4m3 [4, 16]) holds its
+        # row 2, past the input's first numel elements.
+        ("result must not overlap input",
+         lambda: static(buf[4].view(FP8).view(4, 16), buf[::2], torch.ones(1, **f32))),
+        ("group_size must be > 0",
+         lambda: ops.per_token_group_fp8_quant(x, q, torch.empty(4, 0, **f32), 0, 1e-10,
+                                               -448.0, 448.0, False, False, False)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_quant_audit_calls("cpu"))))
+def test_quant_input_audit_cpu(case):
+    message, call = _quant_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_quant_audit_calls("cpu"))))
+def test_quant_input_audit_cuda(case):
+    message, call = _quant_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def _huge_group_shape_is_one_group(device):
+    """A group larger than the dimension is one group: (2^62, 2) with 8 scales is the
+    per-column-pair layout (-1, 2)."""
+    x = make_x((4, 16), torch.float32, seed=21, device=device)
+    scale = torch.linspace(0.01, 0.08, 8, device=device)
+    want = fp8_empty((4, 16), device)
+    ops.static_scaled_fp8_quant(want, x, scale, [-1, 2])
+    got = fp8_empty((4, 16), device)
+    ops.static_scaled_fp8_quant(got, x, scale, [2 ** 62, 2])
+    assert bytes_equal(got, want)
+    got2 = fp8_empty((4, 16), device)
+    ops.static_scaled_fp8_quant(got2, x, scale.view(1, 8), [INT64_MAX, 2])
+    assert bytes_equal(got2, want)
+
+
+def test_huge_group_shape_is_one_group_cpu():
+    _huge_group_shape_is_one_group("cpu")
+
+
+@gpu
+def test_huge_group_shape_is_one_group_cuda():
+    _huge_group_shape_is_one_group("cuda")
+
+
+def _per_token_k0_scale_is_the_floor(device):
+    """K = 0: every (empty) row gets the scale of an all-zero row, the floor 1/(448*512), with
+    or without scale_ub; nothing else is written."""
+    for ub in (None, torch.tensor([0.25], device=device), torch.tensor([-1.0], device=device)):
+        x = torch.empty(3, 0, device=device)
+        q = torch.empty(3, 0, dtype=FP8, device=device)
+        s = f32_empty((3, 1), device)
+        ops.dynamic_per_token_scaled_fp8_quant(q, x, s, ub)
+        assert torch.equal(s.cpu(), torch.full((3, 1), MIN_SCALE))
+        zeros = torch.zeros(3, 4, device=device)
+        s_zero = f32_empty((3, 1), device)
+        ops.dynamic_per_token_scaled_fp8_quant(fp8_empty((3, 4), device), zeros, s_zero, ub)
+        assert torch.equal(s.cpu(), s_zero.cpu())
+
+
+def test_per_token_k0_scale_is_the_floor_cpu():
+    _per_token_k0_scale_is_the_floor("cpu")
+
+
+@gpu
+def test_per_token_k0_scale_is_the_floor_cuda():
+    _per_token_k0_scale_is_the_floor("cuda")
+
+
+def _broadcast_input_rows_accepted(device):
+    """A read-only input of one broadcast row (row stride 0) is quantized like its copy."""
+    x = make_x((1, 32), torch.float32, seed=8, device=device).expand(6, 32)
+    got, want = fp8_empty((6, 32), device), fp8_empty((6, 32), device)
+    s1, s2 = f32_empty((6, 1), device), f32_empty((6, 1), device)
+    ops.dynamic_per_token_scaled_fp8_quant(got, x, s1, None)
+    ops.dynamic_per_token_scaled_fp8_quant(want, x.contiguous(), s2, None)
+    assert bytes_equal(got, want) and torch.equal(s1, s2)
+
+
+def test_broadcast_input_rows_accepted_cpu():
+    _broadcast_input_rows_accepted("cpu")
+
+
+@gpu
+def test_broadcast_input_rows_accepted_cuda():
+    _broadcast_input_rows_accepted("cuda")
+
+
+@pytest.mark.parametrize("group_size", [0, -128])
+def test_per_token_group_quant_wrapper_rejects_a_non_positive_group_size(group_size):
+    """The allocating wrapper checks group_size before it divides by it."""
+    x = torch.randn(4, 256)
+    from hopper_moe import ops as wrappers
+
+    with pytest.raises(RuntimeError, match="group_size must be > 0"):
+        wrappers.per_token_group_quant_fp8(x, group_size)

@@ -322,3 +322,64 @@ def test_bad_devices_cuda():
 def test_opcheck_cuda():
     for args in _opcheck_samples("cuda"):
         torch.library.opcheck(OP.default, args)
+
+
+# ---------------------------------------------------------------- input audit: shared rules
+# csrc/checks/reduce.cpp, the same for the CPU and the CUDA op (each *_cpu test has a GPU twin).
+def _moe_sum_audit_calls(dev):
+    buf = torch.zeros(16, 8, device=dev)
+    out = torch.zeros(2, 8, device=dev)
+    x = torch.zeros(2, 2, 8, device=dev)
+    return [
+        # A broadcast output: both tokens' sums written to one row.
+        ("output is written by the op and must not have stride 0",
+         lambda: torch.ops.hopper_moe.moe_sum(x, torch.empty(1, 8, device=dev).expand(2, 8),
+                                              None, None)),
+        # input reads rows 0, 4, 8, 12 of buf; output (rows 4..5) holds its row 4, past the
+        # input's first numel elements.
+        ("output must not overlap input",
+         lambda: torch.ops.hopper_moe.moe_sum(buf.view(2, 8, 8)[:, ::4], buf[4:6], None, None)),
+        ("output must not overlap topk_ids",
+         lambda: torch.ops.hopper_moe.moe_sum(x, out, out.view(torch.int32)[0, :4].view(2, 2),
+                                              None)),
+        ("output must not overlap expert_map",
+         lambda: torch.ops.hopper_moe.moe_sum(x, out, torch.zeros(2, 2, dtype=torch.int32,
+                                                                  device=dev),
+                                              out.view(torch.int32)[1, :4])),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_moe_sum_audit_calls("cpu"))))
+def test_moe_sum_input_audit_cpu(case):
+    message, call = _moe_sum_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_moe_sum_audit_calls("cpu"))))
+def test_moe_sum_input_audit_cuda(case):
+    message, call = _moe_sum_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def _moe_sum_broadcast_input(dev):
+    """A read-only input broadcast over topk (stride 0) is read like its copy."""
+    g = seeded(5)
+    rows = torch.randn(3, 1, 16, generator=g).to(dev)
+    x = rows.expand(3, 4, 16)
+    out = poison(torch.empty(3, 16, device=dev))
+    torch.ops.hopper_moe.moe_sum(x, out, None, None)
+    want = torch.empty(3, 16, device=dev)
+    torch.ops.hopper_moe.moe_sum(x.contiguous(), want, None, None)
+    assert torch.equal(out, want)
+
+
+def test_moe_sum_broadcast_input_accepted_cpu():
+    _moe_sum_broadcast_input("cpu")
+
+
+@gpu
+def test_moe_sum_broadcast_input_accepted_cuda():
+    _moe_sum_broadcast_input("cuda")

@@ -43,6 +43,7 @@ void silu_and_mul_quant(at::Tensor& result, const at::Tensor& input, const at::T
   HM_CHECK_SAME_DEVICE(kOp, scale, input);
   HM_CHECK_NUMEL(kOp, scale, 1, "one static per-tensor scale");
   check_gated_shapes(kOp, result, input);
+  HM_CHECK_NO_OVERLAP(kOp, result, scale);
 }
 
 }  // namespace hopper_moe::check

@@ -71,6 +71,13 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
   };
   check_permutation(input_permutation, "input_permutation");
   check_permutation(output_permutation, "output_permutation");
+  check_outputs_disjoint(kOp,
+                         {{expert_offsets, "expert_offsets"},
+                          {problem_sizes1, "problem_sizes1"},
+                          {problem_sizes2, "problem_sizes2"},
+                          {input_permutation, "input_permutation"},
+                          {output_permutation, "output_permutation"}},
+                         {{topk_ids, "topk_ids"}});
 }
 
 // expert_first_token_offset int64 [E + 1] contiguous; problem_sizes{1,2} int32 [E, 3].
@@ -91,6 +98,9 @@ void get_cutlass_moe_mm_problem_sizes_from_expert_offsets(
                       expert_first_token_offset, "expert_first_token_offset");
   check_problem_sizes(kOp, problem_sizes2, "problem_sizes2", num_experts,
                       expert_first_token_offset, "expert_first_token_offset");
+  check_outputs_disjoint(kOp,
+                         {{problem_sizes1, "problem_sizes1"}, {problem_sizes2, "problem_sizes2"}},
+                         {{expert_first_token_offset, "expert_first_token_offset"}});
 }
 
 }  // namespace hopper_moe::check

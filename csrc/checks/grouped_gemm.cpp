@@ -33,6 +33,12 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
            out_cols == n ? "N, the rows of each expert of b" : "N / 2, half the rows of each expert of b",
            "), got ", out.size(1));
   HM_CHECK_NUMEL(kOp, expert_offsets, e + 1, "num_experts + 1 row offsets");
+  // K = 0 would be out = 0, but the kernel's bulk copies cannot describe a zero-width operand:
+  // every device rejects it.
+  HM_CHECK(kOp, k > 0, "a.size(1) (K) must be > 0, got ", k);
+  HM_CHECK(kOp, e <= heuristics::kMaxExperts, "b.size(0) (E) must be at most ",
+           heuristics::kMaxExperts, " experts (the kernel's per-expert tile table; the same ",
+           "rule on every device), got ", e);
   HM_CHECK_SAME_DEVICE(kOp, b, a);
   HM_CHECK_SAME_DEVICE(kOp, out, a);
   HM_CHECK_SAME_DEVICE(kOp, expert_offsets, a);
@@ -46,6 +52,13 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
            " (K = ", k, ")");
   HM_CHECK(kOp, a.numel() == 0 || (a.stride(0) * elem) % 16 == 0,
            "a's row stride must be a multiple of 16 bytes (stride ", a.stride(0), ")");
+  HM_CHECK(kOp, m <= 1 || a.stride(0) >= k, "a.stride(0) (", a.stride(0),
+           ") must be >= a.size(1) (K = ", k,
+           "): rows of a must not overlap (a broadcast a, e.g. a.expand, has row stride 0)");
+  check_no_zero_stride_output_named(kOp, out, "out");
+  check_outputs_disjoint(kOp, {{out, "out"}},
+                         {{a, "a"}, {b, "b"}, {expert_offsets, "expert_offsets"},
+                          {a_scales, "a_scales"}, {b_scales, "b_scales"}});
   if (a.numel() > 0) check_aligned16_named(kOp, a, "a");
   if (b.numel() > 0) check_aligned16_named(kOp, b, "b");
   HM_CHECK(kOp, e * n < std::numeric_limits<int32_t>::max() &&
@@ -115,6 +128,13 @@ void check_gemm_silu_mul(const char* kOp, const at::Tensor& out, const at::Tenso
     check_same_device_named(kOp, *amax_scale, "amax_scale", a, "a");
   }
   check_operands(kOp, out, b.size(1) / 2, a, b, expert_offsets, a_scales, b_scales);
+  check_outputs_disjoint(kOp, {{out, "out"}, {amax_scale, "amax_scale"}},
+                         {{out_scale, "out_scale"}});
+  if (amax_scale) {
+    check_outputs_disjoint(kOp, {{*amax_scale, "amax_scale"}},
+                           {{a, "a"}, {b, "b"}, {expert_offsets, "expert_offsets"},
+                            {a_scales, "a_scales"}, {b_scales, "b_scales"}});
+  }
 }
 
 // An integer value of grouped_gemm_config in [lo, hi].
@@ -224,6 +244,12 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
            ", got ", w2.size(0));
   HM_CHECK(kOp, 2 * w2.size(2) == w1.size(1),
            "w2.size(2) must be I = w1.size(1) / 2 = ", w1.size(1) / 2, ", got ", w2.size(2));
+  // h is written by GEMM1 and read by GEMM2, out written by GEMM2: neither may share memory
+  // with the other or with an operand.
+  check_outputs_disjoint(kOp, {{h, "h"}, {out, "out"}},
+                         {{a, "a"}, {w1, "w1"}, {w2, "w2"}, {expert_offsets, "expert_offsets"},
+                          {a_scales, "a_scales"}, {w1_scales, "w1_scales"},
+                          {h_scale, "h_scale"}, {w2_scales, "w2_scales"}});
   check_gemm_silu_mul("moe_grouped_gemm_chain, GEMM1 (out = h, b = w1, b_scales = w1_scales, "
                       "out_scale = h_scale)",
                       h, a, w1, expert_offsets, a_scales, w1_scales, h_scale, std::nullopt);
@@ -281,6 +307,19 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
   HM_CHECK(kOp, a_scales.numel() == (per_act_token ? m : 1),
            "a_scales must hold ", per_act_token ? "M_tot values (per_act_token)" : "1 value",
            ", got shape ", a_scales.sizes());
+  HM_CHECK(kOp, a_tensors.size(1) > 0, "a_tensors.size(1) (K) must be > 0, got ",
+           a_tensors.size(1));
+  HM_CHECK(kOp, m <= 1 || a_tensors.stride(0) >= a_tensors.size(1), "a_tensors.stride(0) (",
+           a_tensors.stride(0), ") must be >= a_tensors.size(1) (K = ", a_tensors.size(1),
+           "): rows of a_tensors must not overlap (a broadcast a_tensors has row stride 0)");
+  HM_CHECK(kOp, e <= heuristics::kMaxExperts, "b_tensors.size(0) (E) must be at most ",
+           heuristics::kMaxExperts, " experts (the kernel's per-expert tile table; the same ",
+           "rule on every device), got ", e);
+  check_no_zero_stride_output_named(kOp, out_tensors, "out_tensors");
+  check_outputs_disjoint(kOp, {{out_tensors, "out_tensors"}},
+                         {{a_tensors, "a_tensors"}, {b_tensors, "b_tensors"},
+                          {a_scales, "a_scales"}, {b_scales, "b_scales"},
+                          {expert_offsets, "expert_offsets"}, {problem_sizes, "problem_sizes"}});
   const int64_t n = b_tensors.size(1);
   HM_CHECK(kOp, b_scales.dim() >= 1 && b_scales.size(0) == e &&
                     b_scales.numel() == (per_out_ch ? e * n : e),

@@ -86,6 +86,12 @@ void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64
     check_contiguous_named(kOp, s, "scatter_idx");
     check_same_device_named(kOp, s, "scatter_idx", topk_ids, "topk_ids");
   }
+  check_outputs_disjoint(kOp,
+                         {{sorted_token_ids, "sorted_token_ids"},
+                          {experts_ids, "experts_ids"},
+                          {num_tokens_post_pad, "num_tokens_post_pad"},
+                          {scatter_idx, "scatter_idx"}},
+                         {{topk_ids, "topk_ids"}, {maybe_expert_map, "maybe_expert_map"}});
 }
 
 void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
@@ -139,7 +145,7 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
            "permuted_input must have at least num_tokens * topk = ", slots, " rows (got ",
            permuted_input.size(0), ")");
   HM_CHECK_SAME_DEVICE(kOp, permuted_input, input);
-  HM_CHECK_NO_OVERLAP(kOp, permuted_input, input);
+  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, permuted_input);
 
   HM_CHECK_DTYPE(kOp, expert_first_token_offset, at::kLong);
   HM_CHECK_DIM(kOp, expert_first_token_offset, 1);
@@ -158,6 +164,16 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
            "topk = ", slots, " elements (got ", permuted_idx.size(0), ")");
   HM_CHECK_CONTIGUOUS(kOp, permuted_idx);
   HM_CHECK_SAME_DEVICE(kOp, permuted_idx, input);
+
+  check_outputs_disjoint(kOp,
+                         {{permuted_input, "permuted_input"},
+                          {expert_first_token_offset, "expert_first_token_offset"},
+                          {inv_permuted_idx, "inv_permuted_idx"},
+                          {permuted_idx, "permuted_idx"}},
+                         {{input, "input"},
+                          {topk_ids, "topk_ids"},
+                          {token_expert_indices, "token_expert_indices"},
+                          {expert_map, "expert_map"}});
 }
 
 void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights,
@@ -175,7 +191,7 @@ void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& t
   HM_CHECK_SIZE(kOp, hidden_states, 1, permuted_hidden_states.size(1),
                 "permuted_hidden_states.size(1)");
   HM_CHECK_SAME_DEVICE(kOp, hidden_states, permuted_hidden_states);
-  HM_CHECK_NO_OVERLAP(kOp, hidden_states, permuted_hidden_states);
+  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, hidden_states);
   const int64_t num_tokens = hidden_states.size(0);
 
   HM_CHECK_DTYPE(kOp, topk_weights, at::kFloat);
@@ -202,6 +218,11 @@ void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& t
     check_same_device_named(kOp, o, "expert_first_token_offset", permuted_hidden_states,
                             "permuted_hidden_states");
   }
+  check_outputs_disjoint(kOp, {{hidden_states, "hidden_states"}},
+                         {{permuted_hidden_states, "permuted_hidden_states"},
+                          {topk_weights, "topk_weights"},
+                          {inv_permuted_idx, "inv_permuted_idx"},
+                          {expert_first_token_offset, "expert_first_token_offset"}});
 }
 
 void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map,
@@ -222,7 +243,9 @@ void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map,
   HM_CHECK_SIZE(kOp, output_tensor, 0, dst2src_map.size(0), "dst2src_map.size(0)");
   HM_CHECK_SIZE(kOp, output_tensor, 1, input_tensor.size(1), "input_tensor.size(1)");
   HM_CHECK_SAME_DEVICE(kOp, output_tensor, input_tensor);
-  HM_CHECK_NO_OVERLAP(kOp, output_tensor, input_tensor);
+  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, output_tensor);
+  check_outputs_disjoint(kOp, {{output_tensor, "output_tensor"}},
+                         {{input_tensor, "input_tensor"}, {dst2src_map, "dst2src_map"}});
 }
 
 }  // namespace hopper_moe::check

@@ -40,6 +40,7 @@ void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
   check_scale_f32(kOp, scale, "scale", input);
   const auto rows = quant::rows_view(kOp, input, "input");
   quant::resolve_static_groups(kOp, rows.num_rows, rows.row_len, scale, group_shape);
+  check_no_overlap_named(kOp, result, "result", scale, "scale");
 }
 
 void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::Tensor& scale) {
@@ -47,6 +48,7 @@ void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::T
   check_quant_io(kOp, result, "result", input);
   check_scale_f32(kOp, scale, "scale", input);
   HM_CHECK_NUMEL(kOp, scale, 1, "the per-tensor scale this op computes");
+  check_outputs_disjoint(kOp, {{result, "result"}, {scale, "scale"}}, {{input, "input"}});
 }
 
 void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
@@ -63,6 +65,8 @@ void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& in
     check_scale_f32(kOp, *scale_ub, "scale_ub", input);
     check_numel_named(kOp, *scale_ub, "scale_ub", 1, "one upper bound for the row amax");
   }
+  check_outputs_disjoint(kOp, {{result, "result"}, {scale, "scale"}},
+                         {{input, "input"}, {scale_ub, "scale_ub"}});
 }
 
 void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,
@@ -75,7 +79,7 @@ void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,
   (void)dummy_is_tma_aligned;
   check_quant_io(kOp, output_q, "output_q", input);
   check_scale_f32(kOp, output_s, "output_s", input);
-  HM_CHECK(kOp, group_size > 0, "group_size must be positive, got ", group_size);
+  HM_CHECK(kOp, group_size > 0, "group_size must be > 0, got ", group_size);
   const int64_t k = input.size(-1);
   HM_CHECK(kOp, k % group_size == 0, "input.size(-1) (", k, ") must be divisible by group_size (",
            group_size, ")");
@@ -90,6 +94,8 @@ void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,
            "output_s must have shape input.shape[:-1] + [input.size(-1) / group_size] = ",
            at::IntArrayRef(expected), ", got ", output_s.sizes(), " (any strides)");
   quant::output_rows_view(kOp, output_s, "output_s", /*any_last_stride=*/true);
+  check_outputs_disjoint(kOp, {{output_q, "output_q"}, {output_s, "output_s"}},
+                         {{input, "input"}});
 }
 
 }  // namespace hopper_moe::check

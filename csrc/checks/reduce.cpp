@@ -22,6 +22,7 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
   HM_CHECK_SIZE(kOp, output, 1, input.size(2), "hidden_size = input.size(2)");
   HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, input);
   HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, output);
+  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, output);
   HM_CHECK_NO_OVERLAP(kOp, output, input);
 
   if (topk_ids) {
@@ -42,6 +43,8 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
     check_same_device_named(kOp, map, "expert_map", input, "input");
     check_contiguous_named(kOp, map, "expert_map");
   }
+  check_outputs_disjoint(kOp, {{output, "output"}},
+                         {{topk_ids, "topk_ids"}, {expert_map, "expert_map"}});
 }
 
 }  // namespace hopper_moe::check

@@ -71,6 +71,12 @@ void topk_gating(const char* op, const at::Tensor& topk_weights, const at::Tenso
     check_size_named(op, *is_padding, "is_padding", 0, num_tokens, "num_tokens");
     check_contiguous_named(op, *is_padding, "is_padding");
   }
+  check_outputs_disjoint(op,
+                         {{topk_weights, "topk_weights"},
+                          {topk_indices, "topk_indices"},
+                          {token_expert_indices, "token_expert_indices"}},
+                         {{gating_output, "gating_output"}, {bias, "bias"},
+                          {is_padding, "is_padding"}});
 }
 
 }  // namespace

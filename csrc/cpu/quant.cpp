@@ -96,7 +96,12 @@ void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& in
                                         at::Tensor& scale, const OptTensor& scale_ub) {
   constexpr const char* kOp = "dynamic_per_token_scaled_fp8_quant";
   check::dynamic_per_token_scaled_fp8_quant(result, input, scale, scale_ub);
-  if (input.numel() == 0) return;
+  // K = 0: each row is empty, and an empty row's amax is 0, so its scale is the floor
+  // 1/(448*512), as for a row of zeros (scale_ub cannot lower it: max(min(0, ub)/448, floor)).
+  if (input.numel() == 0) {
+    if (scale.numel() > 0) scale.fill_(fp8::kMinScale);
+    return;
+  }
   const auto in_rows = quant::rows_view(kOp, input, "input");
   const auto out_rows = quant::rows_view(kOp, result, "result");
   const int64_t k = in_rows.row_len;

@@ -33,9 +33,6 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
            a.device().index(), " has ", prop->major, ".", prop->minor);
-  HM_CHECK(kOp, b.size(0) <= heuristics::kMaxExperts,
-           "the CUDA kernel takes at most ", heuristics::kMaxExperts,
-           " experts (b.size(0)); got ", b.size(0));
   if (a.size(0) == 0 || b.size(0) == 0 || b.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -1,7 +1,8 @@
 """Fake (meta) implementations of the hopper_moe ops, for torch.compile and FakeTensor tracing.
 
-Ops that only write their `Tensor!` arguments return nothing, so their fakes do nothing; the
-one op that returns tensors (grouped_topk) allocates outputs of the right shape and dtype.
+Ops that only write their `Tensor!` arguments return nothing, so their fakes only check that
+the tensors share one device; the one op that returns tensors (grouped_topk) allocates outputs
+of the right shape and dtype.
 Shape rules shared with the eager wrappers live in hopper_moe.ops (see `_grouped_topk_shapes`).
 """
 from __future__ import annotations
@@ -31,17 +32,35 @@ _IN_PLACE_OPS = (
 )
 
 
-def _writes_only(*args, **kwargs) -> None:
-    return None
+def _check_one_device(op: str, args, kwargs) -> None:
+    """A call whose tensors mix a meta tensor with real ones also lands here (the dispatcher
+    picks the meta key), where the real implementation's device checks never run: reject it
+    as the real checks reject tensors on two devices, instead of silently doing nothing."""
+    devices = {}
+    for i, a in enumerate(list(args) + list(kwargs.values())):
+        if isinstance(a, torch.Tensor):
+            devices.setdefault(a.device, i)
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"hopper_moe::{op}: all tensor arguments must be on one device; got "
+            + ", ".join(f"argument {i} on {d}" for d, i in devices.items()))
+
+
+def _writes_only_fake(op: str):
+    def fake(*args, **kwargs) -> None:
+        _check_one_device(op, args, kwargs)
+
+    return fake
 
 
 for _name in _IN_PLACE_OPS:
-    torch.library.register_fake(f"hopper_moe::{_name}")(_writes_only)
+    torch.library.register_fake(f"hopper_moe::{_name}")(_writes_only_fake(_name))
 
 
 @torch.library.register_fake("hopper_moe::grouped_topk")
 def _grouped_topk_fake(scores, n_group, topk_group, topk, renormalize, routed_scaling_factor,
                        bias, scoring_func):
+    _check_one_device("grouped_topk", (scores, bias), {})
     num_tokens = scores.shape[0]
     weights = scores.new_empty((num_tokens, topk), dtype=torch.float32)
     ids = scores.new_empty((num_tokens, topk), dtype=torch.int32)

@@ -7,6 +7,8 @@ except one when moe_permute's cached slot indices grow (_slot_indices).
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _ops = torch.ops.hopper_moe
@@ -48,6 +50,9 @@ def moe_align_block_size_buffers(topk_ids: torch.Tensor, num_experts: int, block
     """Allocate (sorted_token_ids, experts_ids, num_tokens_post_pad) with vLLM's static upper
     bounds (no host sync): padded length numel + E*(block_size-1), capped at numel*block_size
     when there are fewer slots than experts."""
+    if block_size <= 0:
+        raise RuntimeError(f"hopper_moe::moe_align_block_size: block_size must be > 0, "
+                           f"got {block_size}")
     numel = topk_ids.numel()
     max_padded = numel + num_experts * (block_size - 1)
     if numel < num_experts:
@@ -102,6 +107,7 @@ def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
 # arange(n) int32 per CUDA device, grown by doubling; every tensor ever made stays referenced
 # here, since CUDA graphs captured earlier may read views of it.
 _SLOT_INDICES: dict[int, list[torch.Tensor]] = {}
+_SLOT_INDICES_LOCK = threading.Lock()
 
 
 def _slot_indices(rows: int, dev: torch.device) -> torch.Tensor:
@@ -113,13 +119,17 @@ def _slot_indices(rows: int, dev: torch.device) -> torch.Tensor:
         return torch.arange(rows, dtype=torch.int32, device=dev)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     held = _SLOT_INDICES.setdefault(index, [])
-    if not held or held[-1].numel() < rows:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.arange(rows, dtype=torch.int32, device=dev)
-        capacity = max(4096, 1 << max(rows - 1, 0).bit_length())
-        held.append(torch.arange(capacity, dtype=torch.int32, device=dev))
-        torch.cuda.current_stream(dev).synchronize()
-    return held[-1][:rows]
+    if held and held[-1].numel() >= rows:
+        return held[-1][:rows]
+    if torch.cuda.is_current_stream_capturing():
+        return torch.arange(rows, dtype=torch.int32, device=dev)
+    with _SLOT_INDICES_LOCK:  # one thread grows it; others see it only once it is filled
+        if not held or held[-1].numel() < rows:
+            capacity = max(4096, 1 << max(rows - 1, 0).bit_length())
+            grown = torch.arange(capacity, dtype=torch.int32, device=dev)
+            torch.cuda.current_stream(dev).synchronize()
+            held.append(grown)
+        return held[-1][:rows]
 
 
 def moe_unpermute(out: torch.Tensor, permuted_hidden_states: torch.Tensor,
@@ -207,6 +217,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, eps: float = 1e-
     Returns (x_q like x in fp8, x_s f32 [..., K/group_size], column-major when asked)."""
     dtype = dtype or FP8_DTYPE
     finfo = torch.finfo(dtype)
+    if group_size <= 0:
+        raise RuntimeError(f"per_token_group_quant_fp8: group_size must be > 0 (got {group_size})")
     if x.shape[-1] % group_size != 0:
         raise RuntimeError(f"per_token_group_quant_fp8: x.shape[-1] ({x.shape[-1]}) must be "
                            f"divisible by group_size ({group_size})")

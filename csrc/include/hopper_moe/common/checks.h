@@ -14,8 +14,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -111,14 +113,19 @@ inline void check_numel_named(const char* op, const at::Tensor& t, const char* n
 }
 
 inline void check_contiguous_named(const char* op, const at::Tensor& t, const char* name) {
-  HM_CHECK(op, t.is_contiguous(), name, " must be contiguous (shape ", t.sizes(), ", strides ",
-           t.strides(), ")");
+  HM_CHECK(op, t.is_contiguous(), name,
+           " must be contiguous: the op indexes it as a dense array, so broadcast (stride-0) "
+           "or strided views need .contiguous() (shape ",
+           t.sizes(), ", strides ", t.strides(), ")");
 }
 
+// The kernels read and write a row's elements as unit-stride vectors, so a broadcast (stride-0)
+// last dimension is rejected too, read-only or not; leading dimensions may have any stride.
 inline void check_last_dim_contiguous_named(const char* op, const at::Tensor& t,
                                             const char* name) {
   HM_CHECK(op, t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, name,
-           " must have stride 1 in its last dimension (strides ", t.strides(), ")");
+           " must have stride 1 in its last dimension: the kernels access its rows as "
+           "unit-stride vectors (strides ", t.strides(), ")");
 }
 
 inline void check_same_device_named(const char* op, const at::Tensor& t, const char* name,
@@ -133,14 +140,72 @@ inline void check_same_shape_named(const char* op, const at::Tensor& t, const ch
            ref.sizes(), "), got ", t.sizes());
 }
 
+// The bytes [lo, hi) a non-empty tensor can touch: data_ptr (storage offset included) plus the
+// smallest and largest element offsets its sizes and strides reach (negative strides handled,
+// zero strides allowed), plus one element.
+struct ByteSpan {
+  uintptr_t lo = 0, hi = 0;
+};
+
+inline ByteSpan byte_span(const at::Tensor& t) {
+  int64_t min_off = 0, max_off = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    const int64_t reach = t.stride(d) * (t.size(d) - 1);
+    (reach < 0 ? min_off : max_off) += reach;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto item = static_cast<int64_t>(t.element_size());
+  return {base + static_cast<uintptr_t>(min_off * item),
+          base + static_cast<uintptr_t>((max_off + 1) * item)};
+}
+
+// `out` (written by the op) and `in` must not share memory. The rule is about the memory spans
+// the two can touch (byte_span), not only their first numel elements, so strided or
+// interleaved views of one buffer are rejected too: conservative, never a silent race.
 inline void check_no_overlap_named(const char* op, const at::Tensor& out, const char* out_name,
                                    const at::Tensor& in, const char* in_name) {
   if (out.numel() == 0 || in.numel() == 0) return;
-  const auto* o0 = static_cast<const char*>(out.data_ptr());
-  const auto* o1 = o0 + out.nbytes();
-  const auto* i0 = static_cast<const char*>(in.data_ptr());
-  const auto* i1 = i0 + in.nbytes();
-  HM_CHECK(op, o1 <= i0 || i1 <= o0, out_name, " must not overlap ", in_name);
+  const ByteSpan o = byte_span(out), i = byte_span(in);
+  HM_CHECK(op, o.hi <= i.lo || i.hi <= o.lo, out_name, " must not overlap ", in_name,
+           " (their memory spans intersect: ", out_name, " shape ", out.sizes(), ", strides ",
+           out.strides(), "; ", in_name, " shape ", in.sizes(), ", strides ", in.strides(), ")");
+}
+
+// A tensor the op writes: no dimension of size > 1 may have stride 0 (several threads would
+// write one element: a race on the GPU, an arbitrary result on the CPU).
+inline void check_no_zero_stride_output_named(const char* op, const at::Tensor& t,
+                                              const char* name) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    HM_CHECK(op, t.size(d) <= 1 || t.stride(d) != 0, name,
+             " is written by the op and must not have stride 0 in a dimension of size > 1 "
+             "(a broadcast output; shape ",
+             t.sizes(), ", strides ", t.strides(), ")");
+  }
+}
+
+// A tensor argument with its name; an empty optional is skipped.
+struct Named {
+  const at::Tensor* t;
+  const char* name;
+  Named(const at::Tensor& tensor, const char* n) : t(&tensor), name(n) {}
+  Named(const std::optional<at::Tensor>& tensor, const char* n)
+      : t(tensor.has_value() ? &*tensor : nullptr), name(n) {}
+};
+
+// Every output must be disjoint from every other output and from every input.
+inline void check_outputs_disjoint(const char* op, std::initializer_list<Named> outputs,
+                                   std::initializer_list<Named> inputs) {
+  const Named* outs = outputs.begin();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outs[i].t) continue;
+    for (size_t j = i + 1; j < outputs.size(); ++j) {
+      if (outs[j].t) check_no_overlap_named(op, *outs[i].t, outs[i].name, *outs[j].t, outs[j].name);
+    }
+    for (const Named& in : inputs) {
+      if (in.t) check_no_overlap_named(op, *outs[i].t, outs[i].name, *in.t, in.name);
+    }
+  }
 }
 
 // 16-byte alignment of the data pointer, as vectorized (and TMA) accesses need.
@@ -161,6 +226,8 @@ inline void check_aligned16_named(const char* op, const at::Tensor& t, const cha
 #define HM_CHECK_SAME_SHAPE(op, t, ref) ::hopper_moe::check_same_shape_named(op, t, #t, ref, #ref)
 #define HM_CHECK_NO_OVERLAP(op, out, in) \
   ::hopper_moe::check_no_overlap_named(op, out, #out, in, #in)
+#define HM_CHECK_NO_ZERO_STRIDE_OUTPUT(op, t) \
+  ::hopper_moe::check_no_zero_stride_output_named(op, t, #t)
 
 // Float inputs the activation and routing ops accept.
 #define HM_FLOAT_DTYPES {at::kFloat, at::kHalf, at::kBFloat16}

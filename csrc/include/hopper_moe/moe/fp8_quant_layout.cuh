@@ -96,7 +96,9 @@ struct StaticScaleGroups {
   bool per_tensor() const { return stride_m == 0 && stride_n == 0; }
 };
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b >= 1 without forming a + b - 1 (a group_shape entry near
+// INT64_MAX would overflow it into a wrong, even zero, group count).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a == 0 ? 0 : 1 + (a - 1) / b; }
 
 // Scale layouts accepted by static_scaled_fp8_quant (same semantics as vLLM's
 // static_scaled_fp8_quant, plus partial last groups; a group_shape entry of -1 means the whole
@@ -117,7 +119,8 @@ inline StaticScaleGroups resolve_static_groups(const char* op, int64_t M, int64_
              gs.size());
     for (int64_t g : gs) {
       HM_CHECK(op, g == -1 || g > 0,
-               "group_shape entries must be positive or -1 (whole dimension), got ", gs);
+               "group_shape entries must be positive or -1 (whole dimension); 0 and other "
+               "negative values are rejected, got ", gs);
     }
     gm = gs[0] == -1 ? std::max<int64_t>(M, 1) : gs[0];
     gn = gs[1] == -1 ? std::max<int64_t>(K, 1) : gs[1];
@@ -137,7 +140,8 @@ inline StaticScaleGroups resolve_static_groups(const char* op, int64_t M, int64_
     const int64_t groups_m = ceil_div(M, gm), groups_n = ceil_div(K, gn);
     HM_CHECK(op, scale.numel() == groups_m * groups_n, "scale has ", scale.numel(),
              " elements but group_shape ", *group_shape, " on input rows [", M, ", ", K,
-             "] needs ", groups_m, " x ", groups_n, " = ", groups_m * groups_n);
+             "] needs ceil(M / group_m) x ceil(K / group_n) = ", groups_m, " x ", groups_n,
+             " = ", groups_m * groups_n, " (one scale per group)");
     HM_CHECK(op, groups_m == 1 || groups_n == 1, "a 1-D scale needs group_shape ",
              *group_shape, " to leave one of its dimensions whole; use a 2-D scale of shape [",
              groups_m, ", ", groups_n, "] for 2-D groups");
