@@ -631,3 +631,135 @@ def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch):
         torch.testing.assert_close(out.float().cpu(), out_cpu.float(), atol=2e-2, rtol=1e-2)
         assert not torch.isnan(out.float()).any()
 
+
+
+# ------------------------------------------------------------- input audit: shared rules
+# The rules below live in the shared argument checks (csrc/checks/grouped_gemm.cpp), so the CPU
+# and the CUDA op reject the same calls with the same message; each *_cpu test has a GPU twin.
+def _gemm_audit_calls(device):
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    gemm = torch.ops.hopper_moe.moe_grouped_gemm
+    silu = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul
+    chain = torch.ops.hopper_moe.moe_grouped_gemm_chain
+    a, b, offs, _, _ = make_problem([2, 3], 64, 64, device=device)
+    out = torch.empty(5, 64, **bf16)
+    big_b = torch.zeros(1025, 16, 64, **bf16)
+    big_offs = torch.zeros(1026, dtype=torch.int64, device=device)
+    big_offs[1:] = 5
+    buf = torch.zeros(20, 64, **bf16)
+    # w1 [E, 2I, K] = [2, 64, 64] (I = 32), w2 [E, N2, I] = [2, 64, 32].
+    w2 = torch.zeros(2, 64, 32, **bf16)
+    h = torch.empty(5, 32, **bf16)
+    gated_out = torch.empty(5, 32, **bf16)
+    amax_in_out = gated_out.view(torch.float32)[0, :1]
+    offs_buf = torch.zeros(5, 64, **bf16)  # expert_offsets (all 0) in its first bytes
+    return [
+        # K = 0: rejected on every device (the kernel cannot describe a zero-width operand).
+        (r"a\.size\(1\) \(K\) must be > 0",
+         lambda: gemm(out, torch.empty(5, 0, **bf16), torch.empty(2, 64, 0, **bf16), offs,
+                      None, None)),
+        (r"a\.size\(1\) \(K\) must be > 0",
+         lambda: silu(gated_out, torch.empty(5, 0, **bf16), torch.empty(2, 64, 0, **bf16),
+                      offs, None, None, None)),
+        # A broadcast a (row stride 0): rows of a overlap.
+        (r"a\.stride\(0\) \(0\) must be >= a\.size\(1\)",
+         lambda: gemm(out, a[:1].expand(5, 64), b, offs, None, None)),
+        (r"a\.stride\(0\) \(0\) must be >= a\.size\(1\)",
+         lambda: chain(torch.empty(5, 64, **bf16), h, a[:1].expand(5, 64), b, w2, offs,
+                       None, None, None, None)),
+        # More experts than the kernel's table: the same rule on the CPU.
+        (r"b\.size\(0\) \(E\) must be at most 1024 experts",
+         lambda: gemm(torch.empty(5, 16, **bf16), a, big_b, big_offs, None, None)),
+        # out written while a / b / expert_offsets are read.
+        ("out must not overlap a", lambda: gemm(a, a, b, offs, None, None)),
+        # a strided view of one buffer: out (rows 6..10) holds row 8 of a (rows 0, 4, .., 16),
+        # past a's first numel elements.
+        ("out must not overlap a", lambda: gemm(buf[6:11], buf[::4], b, offs, None, None)),
+        ("out must not overlap b",
+         lambda: gemm(b.view(-1, 64)[:5], a, b, offs, None, None)),
+        ("out must not overlap expert_offsets",
+         lambda: gemm(offs_buf, a, b, offs_buf.view(torch.int64)[0, :3], None, None)),
+        # A broadcast out: several rows written to one place.
+        ("out is written by the op and must not have stride 0",
+         lambda: gemm(torch.empty(1, 64, **bf16).expand(5, 64), a, b, offs, None, None)),
+        # silu_mul: amax_scale (written) inside out (written).
+        ("out must not overlap amax_scale",
+         lambda: silu(gated_out, a, b, offs, None, None, None, False,
+                      amax_in_out)),
+        # chain: h and out written, h read back by GEMM2.
+        ("h must not overlap out",
+         lambda: chain(out, out[:, :32], a, b, w2, offs, None, None, None, None)),
+        ("h must not overlap a",
+         lambda: chain(torch.empty(5, 64, **bf16), a[:, :32], a, b, w2, offs, None, None,
+                       None, None)),
+        ("out must not overlap w2",
+         lambda: chain(w2.view(-1, 64)[:5], h, a, b, w2, offs, None, None, None, None)),
+    ]
+
+
+def _cutlass_audit_calls(device):
+    topk_ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    args, _ = cutlass_args(topk_ids, 32, 64, False, False, device=device)
+    a, b, sa, sb, offs, ps, st, st2, cst, pa, pc = args
+    out = torch.empty(4, 32, dtype=torch.bfloat16, device=device)
+    call = torch.ops.hopper_moe.cutlass_moe_mm
+    rest = (sa, sb, offs, ps, st, st2, cst, pa, pc)
+    return [
+        (r"a_tensors\.size\(1\) \(K\) must be > 0",
+         lambda: call(out, a[:, :0], b[:, :, :0], *rest)),
+        (r"a_tensors\.stride\(0\) \(0\) must be >= a_tensors\.size\(1\)",
+         lambda: call(out, a[:1].expand(4, 64), b, *rest)),
+        ("out_tensors must not overlap a_tensors",
+         lambda: call(a.view(torch.bfloat16), a, b, *rest)),
+        ("out_tensors is written by the op and must not have stride 0",
+         lambda: call(out[:1].expand(4, 32), a, b, *rest)),
+    ]
+
+
+def _audit_case_ids(calls):
+    return [f"{i}-{re.sub(r'[^A-Za-z0-9]+', '_', m)[:40]}" for i, (m, _) in enumerate(calls)]
+
+
+@pytest.mark.parametrize("case", range(len(_gemm_audit_calls("cpu"))),
+                         ids=_audit_case_ids(_gemm_audit_calls("cpu")))
+def test_gemm_input_audit_rules_cpu(case):
+    message, call = _gemm_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_gemm_audit_calls("cpu"))),
+                         ids=_audit_case_ids(_gemm_audit_calls("cpu")))
+def test_gemm_input_audit_rules_cuda(case):
+    message, call = _gemm_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("case", range(len(_cutlass_audit_calls("cpu"))),
+                         ids=_audit_case_ids(_cutlass_audit_calls("cpu")))
+def test_cutlass_moe_mm_input_audit_rules_cpu(case):
+    message, call = _cutlass_audit_calls("cpu")[case]
+    with pytest.raises(RuntimeError, match=f"cutlass_moe_mm.*{message}"):
+        call()
+
+
+@gpu
+@pytest.mark.parametrize("case", range(len(_cutlass_audit_calls("cpu"))),
+                         ids=_audit_case_ids(_cutlass_audit_calls("cpu")))
+def test_cutlass_moe_mm_input_audit_rules_cuda(case):
+    message, call = _cutlass_audit_calls("cuda")[case]
+    with pytest.raises(RuntimeError, match=f"cutlass_moe_mm.*{message}"):
+        call()
+
+
+def test_gemm_strided_disjoint_operands_still_accepted():
+    """Disjoint row slices of one buffer are not an overlap: a in rows 0..4, out in rows 8..12
+    of the same allocation give the same bits as separate tensors."""
+    a, b, offs, _, _ = make_problem([2, 3], 64, 64)
+    buf = torch.zeros(16, 64, dtype=torch.bfloat16)
+    buf[:5] = a
+    got = torch.ops.hopper_moe.moe_grouped_gemm(buf[8:13], buf[:5], b, offs, None, None)
+    assert got is None
+    assert torch.equal(buf[8:13].view(torch.int16), run(a, b, offs, None, None).view(torch.int16))
