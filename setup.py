@@ -72,7 +72,7 @@ else:
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags})
 
 setup(
-    packages=["hopper_moe", "hopper_moe.reference", "hopper_moe.triton"],
+    packages=["hopper_moe", "hopper_moe.reference", "hopper_moe.backends", "hopper_moe.kernels"],
     package_dir={"": "python"},
     package_data={"hopper_moe": ["configs/*.json"]},
     ext_modules=[ext],

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     if hm is None:
         print(f"bench_clocks: hopper_moe does not import: {err}")
         return 1
-    from hopper_moe.triton.fused_moe import fused_experts_triton
+    from hopper_moe.backends.triton import fused_experts_triton
 
     dev = torch.device("cuda")
     shape = C.SHAPES[args.shape]

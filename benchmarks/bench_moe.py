@@ -1,4 +1,4 @@
-"""Whole-layer (and GEMM-only) MoE benchmark of hopper_moe, as ../shared/BENCHMARK.md defines it.
+"""Whole-layer (and GEMM-only) MoE benchmark of hopper_moe, as docs/BENCHMARK.md defines it.
 
     PYTHONPATH=python python benchmarks/bench_moe.py                       # everything
     PYTHONPATH=python python benchmarks/bench_moe.py --quick               # a few rows
@@ -62,7 +62,7 @@ class Lib:
         return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
 
     def module(self, name: str):
-        """hopper_moe.<name> as a module (hopper_moe.fused_moe the attribute is a function)."""
+        """hopper_moe.<name> as a module (None when it does not import)."""
         if self.selftest:
             return None
         try:
@@ -93,13 +93,13 @@ class Lib:
         has one, else a probe of each candidate."""
         if self.selftest:
             return self.hm.available_backends(device), "harness selftest list"
-        fn = getattr(self.module("fused_moe"), "available_backends", None) or \
+        fn = getattr(self.module("api"), "available_backends", None) or \
             getattr(self.hm, "available_backends", None)
         if callable(fn):
             try:
                 names = list(fn(device))
                 if names:
-                    return names, "hopper_moe.fused_moe.available_backends"
+                    return names, "hopper_moe.api.available_backends"
             except Exception as exc:  # noqa: BLE001
                 self.notes.append("available_backends() raised " + C.short_error(exc))
         shape = C.SHAPES["tiny"]
@@ -123,7 +123,7 @@ class Lib:
                   ) -> tuple[Callable[[], Any] | None, str]:
         """A zero-argument callable that runs only GEMM1 and GEMM2 of `backend` on operands
         prepared here (permuted, quantized), and a label saying how; or (None, why not).
-        Order: the library's hook hopper_moe.fused_moe.make_gemm_only(backend, x, w1, w2,
+        Order: the library's hook hopper_moe.api.make_gemm_only(backend, x, w1, w2,
         topk_weights, topk_ids, quant=...), then the harness's own pairs: torch._grouped_mm
         (bf16, torch backend) and torch.ops.hopper_moe.cutlass_moe_mm (fp8 per-tensor /
         per-channel, cute backend)."""
@@ -131,7 +131,7 @@ class Lib:
         if backend == READ_CONTROL:
             import read_control
             return read_control.gemm_only_read(x, w1, w2, ti)
-        hook = getattr(self.module("fused_moe"), "make_gemm_only", None)
+        hook = getattr(self.module("api"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
             try:
                 fn = hook(backend, x, w1, w2, tw, ti, quant=quant)

@@ -62,15 +62,15 @@ def compiled_variants(kernel) -> int | None:
 @contextlib.contextmanager
 def kernel_swapped(kernel, cache_dir: str | None):
     """fused_experts_triton launches `kernel`, compiling into `cache_dir` (None: unchanged)."""
-    from hopper_moe.triton import fused_moe, moe_gemm
-    orig, old_dir = fused_moe.moe_gemm_kernel, os.environ.get("TRITON_CACHE_DIR")
-    moe_gemm.moe_gemm_kernel = fused_moe.moe_gemm_kernel = kernel
+    from hopper_moe.kernels import moe_gemm  # the backend looks the kernel up there per launch
+    orig, old_dir = moe_gemm.moe_gemm_kernel, os.environ.get("TRITON_CACHE_DIR")
+    moe_gemm.moe_gemm_kernel = kernel
     if cache_dir is not None:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
     try:
         yield
     finally:
-        moe_gemm.moe_gemm_kernel = fused_moe.moe_gemm_kernel = orig
+        moe_gemm.moe_gemm_kernel = orig
         if cache_dir is not None:
             if old_dir is None:
                 os.environ.pop("TRITON_CACHE_DIR", None)
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     import triton
 
     from hopper_moe.quant import make_quant_config
-    from hopper_moe.triton import moe_gemm
-    from hopper_moe.triton.fused_moe import fused_experts_triton
+    from hopper_moe.backends.triton import fused_experts_triton
+    from hopper_moe.kernels import moe_gemm
 
     shape = C.SHAPES[args.shape]
     ok, why = C.scheme_applies(shape, args.dtype)

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     if device.type == "cpu" and args.shape != "tiny":
         print(f"bench_stages: on the CPU (interpreter) only --shape tiny runs, not {args.shape}")
         return 0
-    from hopper_moe.triton.fused_moe import fused_experts_triton
+    from hopper_moe.backends.triton import fused_experts_triton
 
     shape = C.SHAPES[args.shape]
     ok, why = C.scheme_applies(shape, args.dtype)

@@ -1,4 +1,4 @@
-"""Shared pieces of the hopper_moe benchmarks (method: ../shared/BENCHMARK.md).
+"""Shared pieces of the hopper_moe benchmarks (method: docs/BENCHMARK.md).
 
 - the BENCHMARK.md shape table and token counts;
 - the ceilings measured in the same run (copy bandwidth, dense bf16 and FP8 GEMM rates);
@@ -623,8 +623,8 @@ def warm_up(run: Callable[[], Any], warmup: int, copies: int = 1, *,
     none elsewhere) has counted `min_ms` (default WARMUP_MIN_MS) in them, at most
     WARMUP_MAX_REPLAYS calls. A count alone is not enough: right after a capture the first
     few milliseconds of replays ran ~10% slower on the H200 (FP8 GEMM-only M = 1 under
-    rotation: 104-107 us against 97 for the same graphs a loop later; benchmarks/NOTES.md,
-    "the first replays after a capture"). Returns the calls made."""
+    rotation: 104-107 us against 97 for the same graphs a loop later;
+    benchmarks/notes/measurement.md). Returns the calls made."""
     done = warmup_replays(warmup, copies)
     for _ in range(done):
         run()

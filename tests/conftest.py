@@ -18,7 +18,8 @@ import torch
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on a machine without a GPU. Must be set before
-    # any Triton kernel is defined (hopper_moe.triton is imported by test modules, after this).
+    # any Triton kernel is defined, and before hopper_moe is imported: hopper_moe.settings reads
+    # it once, at import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import hopper_moe  # noqa: E402,F401  (loads the ops)

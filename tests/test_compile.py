@@ -20,7 +20,7 @@ from hopper_moe import fused_experts, fused_topk
 from conftest import gpu, seeded
 from test_fused_moe import TOL, base_scheme, check_close_requant, make_problem
 
-fm = importlib.import_module("hopper_moe.fused_moe")
+fm = importlib.import_module("hopper_moe.api")
 
 # > 1 (Dynamo specializes 0 and 1) and unlike every other size of the problem: Dynamo gives
 # equal sizes one symbol, and the expert count is specialized (loops over experts).

@@ -1,4 +1,5 @@
-"""fused_experts(backend="cute"): the layer around moe_grouped_gemm against the fp32 reference.
+"""fused_experts(backend="cute", the alias of "sm90"): the layer around moe_grouped_gemm against
+the fp32 reference.
 
 On the CPU the grouped GEMM is its CPU definition, so these tests pin the composition (slot
 sort, quantization, scales, SiLU*mul, weighted sum, expert_map, invalid ids) in CI; the
@@ -14,7 +15,8 @@ import torch
 
 from conftest import gpu
 
-from hopper_moe import cute, fused_experts
+from hopper_moe import fused_experts
+from hopper_moe.backends import sm90
 from hopper_moe.reference import fused_experts_ref
 from test_fused_moe import check_close, check_close_requant, make_problem
 
@@ -86,19 +88,20 @@ def test_unsupported_inputs_raise():
 
 
 def test_available_on_cpu_and_only_on_sm90():
-    assert cute.is_available("cpu")
-    assert cute.is_available("cuda") == (SM90 and __import__("hopper_moe").built_with_cuda())
+    assert sm90.is_available("cpu")
+    assert sm90.is_available("cuda") == (SM90 and __import__("hopper_moe").built_with_cuda())
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_channel"])
 def test_gemm_only_entry_runs_both_gemms(scheme):
-    """fused_moe.make_gemm_only("cute", ...): GEMM1's output is SiLU*mul of the sorted rows
+    """api.make_gemm_only("cute", ...): GEMM1's output is SiLU*mul of the sorted rows
     times each expert's w1 (per the CPU definition), and replays are deterministic."""
     import importlib
 
     from hopper_moe.reference import moe_grouped_gemm_ref, silu_mul_f32_ref
 
-    fm = importlib.import_module("hopper_moe.fused_moe")  # the name fused_moe is the function
+    fm = importlib.import_module("hopper_moe.api")
+    tb = importlib.import_module("hopper_moe.backends.torch")
 
     p = make_problem(9, 4, 2, 128, 64, scheme=scheme, seed=5)
     fn = fm.make_gemm_only("cute", p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, quant=p.quant)
@@ -106,7 +109,7 @@ def test_gemm_only_entry_runs_both_gemms(scheme):
     assert h.shape == (18, 64) and y.shape == (18, 128)
     h2, y2 = fn()
     assert torch.equal(h, h2) and torch.equal(y, y2)
-    order, _, _, offs_end = fm.sort_slots_by_expert(p.topk_ids, 4, 4, None)
+    order, _, _, offs_end = tb.sort_slots_by_expert(p.topk_ids, 4, 4, None)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), offs_end.long()])
     rows = p.x[order // 2]
     if p.quant is None:

@@ -26,7 +26,8 @@ from hopper_moe.reference.layer import fused_experts_ref, fused_topk_ref
 
 from conftest import gpu, seeded
 
-fm = importlib.import_module("hopper_moe.fused_moe")
+fm = importlib.import_module("hopper_moe.api")
+tb = importlib.import_module("hopper_moe.backends.torch")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -154,7 +155,7 @@ def run(p: Problem, backend="torch", device=None):
 def reference(p: Problem, precision_of: Optional[Problem] = None):
     """fp32 reference of p (on p's device). precision_of: the problem as the torch backend
     runs it (its device decides the precision model); None = pure fp32."""
-    precision = {} if precision_of is None else fm.torch_backend_precision(
+    precision = {} if precision_of is None else tb.precision(
         precision_of.x, precision_of.w1, precision_of.w2, precision_of.quant)
     return fused_experts_ref(*p.args(), **p.kwargs(), **precision)
 
@@ -362,7 +363,7 @@ def test_torch_backend_dtypes(dtype, scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_torch_backend_loop_fallback(scheme, monkeypatch):
     """The per-expert loop used when torch._grouped_mm cannot run gives the same numbers."""
-    monkeypatch.setattr(fm, "_FORCE_LOOP_GEMM", True)
+    monkeypatch.setattr(tb, "_FORCE_LOOP_GEMM", True)
     p = make_problem(13, 6, 2, 128, 128, scheme=scheme, seed=9, num_local=4, invalid_ids=True)
     check_close(run(p), reference(p), scheme, scheme)
 
@@ -490,7 +491,7 @@ def test_deterministic():
 def test_available_backends_and_auto():
     # Triton runs on the CPU only inside its interpreter (conftest turns it on without a GPU).
     cpu = ["torch", "reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
-                                    else []) + ["cute"]
+                                    else []) + ["sm90"]
     assert fm.available_backends("cpu") == cpu
     assert fm.available_backends(torch.device("cpu")) == cpu
     p = make_problem(5, 4, 2, 128, 128, scheme="fp8_block", seed=3)
@@ -498,7 +499,7 @@ def test_available_backends_and_auto():
     assert torch.equal(run(p, backend="reference"), reference(p))
 
 
-@pytest.mark.parametrize("name", ["cute", "triton"])
+@pytest.mark.parametrize("name", ["sm90", "triton"])
 def test_unregistered_backend_raises(name, monkeypatch):
     monkeypatch.setattr(fm, "_BACKENDS", {k: v for k, v in fm._BACKENDS.items() if k != name})
     p = make_problem(3, 4, 2, 128, 128)
@@ -514,9 +515,9 @@ def test_register_backend(monkeypatch):
         calls.append(args)
         return torch.full(args[0].shape, 7.0)
 
-    fm.register_backend("cute", fake, lambda dev: dev == "cuda")
-    assert "cute" not in fm.available_backends("cpu")
-    assert "cute" in fm.available_backends("cuda")
+    fm.register_backend("cute", fake, lambda dev: dev == "cuda")  # the alias names "sm90"
+    assert "sm90" not in fm.available_backends("cpu")
+    assert "sm90" in fm.available_backends("cuda")
     fm.register_backend("triton", fake, lambda dev: True)
     p = make_problem(3, 4, 2, 128, 128, num_local=2)
     out = run(p, backend="triton")
@@ -527,6 +528,21 @@ def test_register_backend(monkeypatch):
     with pytest.raises(RuntimeError, match="backend name"):
         fm.register_backend("auto", fake, lambda dev: True)
 
+
+
+def test_api_module_and_backend_alias():
+    """hopper_moe.fused_moe is the function (no submodule of that name shadows or is shadowed
+    by it); the API module is hopper_moe.api; "cute" names the "sm90" backend wherever a
+    backend name is taken, and the listed name is "sm90"."""
+    assert hopper_moe.fused_moe is fm.fused_moe and callable(hopper_moe.fused_moe)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("hopper_moe.fused_moe")
+    assert hopper_moe.available_backends is fm.available_backends
+    assert "sm90" in fm.available_backends("cpu") and "cute" not in fm.available_backends("cpu")
+    p = make_problem(5, 4, 2, 128, 128, seed=4)
+    assert torch.equal(run(p, backend="cute"), run(p, backend="sm90"))
+    with pytest.raises(RuntimeError, match="backend must be one of"):
+        run(p, backend="cutlass")
 
 def test_oracle_choose_backend():
     table = {("cuda", "bf16"): ((64, ("cute", "torch")), (None, ("triton", "torch")))}
@@ -860,7 +876,7 @@ def _perturbed_gemm1_layer(p: Problem, rel_noise: float, seed: int = 0) -> torch
     """The torch backend's CPU layer with GEMM1's output perturbed by a relative `rel_noise`
     (another accumulation order, emulated) before its bf16 rounding."""
     g = seeded(seed)
-    real = fm._expert_gemm
+    real = tb._expert_gemm
     calls = []
 
     def gemm(a, a_scale, w, w_scale, quant, plan, offs, sorted_key):
@@ -870,11 +886,11 @@ def _perturbed_gemm1_layer(p: Problem, rel_noise: float, seed: int = 0) -> torch
             h = h * (1 + rel_noise * torch.randn(h.shape, generator=g))
         return h
 
-    fm._expert_gemm = gemm
+    tb._expert_gemm = gemm
     try:
         out = run(p)
     finally:
-        fm._expert_gemm = real
+        tb._expert_gemm = real
     assert len(calls) == 2
     return out
 
@@ -883,7 +899,7 @@ def _perturbed_gemm1_layer(p: Problem, rel_noise: float, seed: int = 0) -> torch
 def test_requant_allowance_accepts_rounding_and_rejects_errors(scheme, monkeypatch):
     """GEMM1 perturbed below one bf16 step (the bf16 precision model on the CPU): passes
     check_close_requant. A wrong scale on one token row or one expert, or a zeroed row, fails."""
-    monkeypatch.setattr(fm, "_compute_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(tb, "_compute_dtype", lambda dtype, device: torch.bfloat16)
     p = make_problem(130, 1, 1, 256, 384, scheme=scheme, seed=3)
     ref = reference(p, precision_of=p)
     out = _perturbed_gemm1_layer(p, 2.0 ** -13)
@@ -912,9 +928,9 @@ def test_requant_allowance_accepts_rounding_and_rejects_errors(scheme, monkeypat
 def test_precision_model_emulated_on_cpu(scheme, monkeypatch):
     """The GPU plan (bf16 GEMM operands and intermediates) run on CPU: equal to the reference
     of that precision at OPS.md tolerances, and within REL_NORM_FP32 of the pure fp32 one."""
-    monkeypatch.setattr(fm, "_compute_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(tb, "_compute_dtype", lambda dtype, device: torch.bfloat16)
     p = make_problem(40, 8, 2, 256, 128, scheme=scheme, seed=17, num_local=6, invalid_ids=True)
-    precision = fm.torch_backend_precision(p.x, p.w1, p.w2, p.quant)
+    precision = tb.precision(p.x, p.w1, p.w2, p.quant)
     want_dequant = None if p.quant is None else torch.bfloat16
     assert precision == {"intermediate_dtype": torch.bfloat16, "dequant_dtype": want_dequant}
     out = run(p)
@@ -927,7 +943,7 @@ def test_precision_model_emulated_on_cpu(scheme, monkeypatch):
 def test_precision_model_cpu_is_fp32():
     for scheme in SCHEMES:
         p = make_problem(3, 4, 2, 128, 128, scheme=scheme, dtype=torch.bfloat16)
-        assert fm.torch_backend_precision(p.x, p.w1, p.w2, p.quant) == {
+        assert tb.precision(p.x, p.w1, p.w2, p.quant) == {
             "intermediate_dtype": None, "dequant_dtype": None}
 
 
@@ -956,7 +972,7 @@ def test_gpu_torch_backend(scheme, m, e, topk, h, i):
     check_gpu_result(p, out, scheme, what)
     # the reference itself gives the same numbers on both devices
     pg = p.to("cuda")
-    prec = fm.torch_backend_precision(pg.x, pg.w1, pg.w2, pg.quant)
+    prec = tb.precision(pg.x, pg.w1, pg.w2, pg.quant)
     check_close_requant(fused_experts_ref(*pg.args(), **pg.kwargs(), **prec),
                         fused_experts_ref(*p.args(), **p.kwargs(), **prec), scheme,
                         "ref cuda vs cpu")
@@ -968,15 +984,15 @@ def test_gpu_fast_paths_are_taken():
     cap = torch.cuda.get_device_capability()
     a = torch.empty(4, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.empty(8, 256, 128, device="cuda", dtype=torch.bfloat16)
-    assert fm._grouped_mm_usable(a, w) == fm._HAS_GROUPED_MM
+    assert tb._grouped_mm_usable(a, w) == tb._HAS_GROUPED_MM
     p = make_problem(3, 8, 2, 128, 128, scheme="fp8_channel").to("cuda")
-    if cap in ((9, 0), (10, 0)) and fm._HAS_SCALED_GROUPED_MM:
-        assert fm._torch_plan(p.x, p.w1, p.w2, p.quant).scaled
-    assert not fm._scaled_grouped_mm_usable(
+    if cap in ((9, 0), (10, 0)) and tb._HAS_SCALED_GROUPED_MM:
+        assert tb._torch_plan(p.x, p.w1, p.w2, p.quant).scaled
+    assert not tb._scaled_grouped_mm_usable(
         p.w1, replace(p.quant, per_act_token_quant=False, per_out_ch_quant=False,
                       block_shape=[128, 128]))
     odd = make_problem(3, 8, 2, 136, 72, scheme="fp8_channel").to("cuda")  # 136 % 16 != 0
-    assert not fm._torch_plan(odd.x, odd.w1, odd.w2, odd.quant).scaled
+    assert not tb._torch_plan(odd.x, odd.w1, odd.w2, odd.quant).scaled
 
 
 @gpu
@@ -1016,7 +1032,7 @@ def test_gpu_bad_inputs_device_mismatch():
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_gpu_cuda_graph_replay(scheme, backend):
     """Captured once; replays with new data and new routing (changed per-expert counts)."""
-    if backend == "cute" and (scheme == "fp8_block" or "cute" not in fm.available_backends(
+    if backend == "cute" and (scheme == "fp8_block" or "sm90" not in fm.available_backends(
             "cuda")):
         pytest.skip("the cute backend: SM90 only, no block FP8 yet")
     p = make_problem(64, 8, 2, 256, 128, scheme=scheme, seed=90).to("cuda")

@@ -4,7 +4,7 @@ e4m3 quantization per 128-element block with power-of-two scales, heads gathered
 The reference's semantics are pinned first (round trip against a forward rope, sign
 convention, scale rule, rounding); then the Triton kernel is held to the reference bit for bit
 (fp8 codes and scales): the kernel is built so that no step depends on FMA contraction or on the
-backend's fp8 conversion, see hopper_moe/triton/inv_rope_quant.py. Without a GPU the kernel
+backend's fp8 conversion, see hopper_moe/kernels/inv_rope_quant.py. Without a GPU the kernel
 runs in Triton's interpreter (slow: ~10 ms per (token, head) program), so the CPU cases are few
 and small; the gpu-marked tests cover many shapes, CUDA-graph capture and recompilation.
 """
@@ -21,8 +21,8 @@ from hopper_moe.reference.rope_quant import (
     inv_rope_ref,
     pow2_block_scale_ref,
 )
-from hopper_moe.triton import inv_rope_quant
-from hopper_moe.triton.inv_rope_quant import fused_inv_rope_fp8_quant
+from hopper_moe import settings
+from hopper_moe.kernels import fused_inv_rope_fp8_quant, inv_rope_quant
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -317,7 +317,7 @@ def test_bad_inputs_raise(index):
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     x, positions, cache = make_inputs(1, 1, torch.bfloat16)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(settings, "TRITON_INTERPRET", False)  # read once at import: patched
     with pytest.raises(RuntimeError, match=": x "):
         fused_inv_rope_fp8_quant(x, positions, cache, 1, 1)
 

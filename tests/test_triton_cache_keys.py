@@ -22,8 +22,9 @@ import torch
 from test_inv_rope_quant import make_inputs
 from test_triton_moe import make_layer
 
-from hopper_moe.triton import configs as triton_configs
-from hopper_moe.triton import fused_moe, inv_rope_quant, moe_gemm
+from hopper_moe.backends import triton as triton_backend
+from hopper_moe.kernels import inv_rope_quant, moe_gemm
+from hopper_moe.kernels import moe_gemm_configs as triton_configs
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import (  # noqa: E402
@@ -64,14 +65,14 @@ def cache_keys(kernel_fn, do_not_specialize, calls) -> set[str]:
 
 def _moe_calls(monkeypatch, scheme: str, ms) -> list:
     rec = Recorder()
-    monkeypatch.setattr(fused_moe, "moe_gemm_kernel", rec)
+    monkeypatch.setattr(moe_gemm, "moe_gemm_kernel", rec)  # looked up there per launch
     E, topk, H, I = 8, 2, 256, 128
     x, w1, w2, _, _, quant, _ = make_layer(8192, E, topk, H, I, scheme, "cpu", seed=0)
     g = torch.Generator().manual_seed(0)
     for m in ms:
         logits = torch.randn(m, E, generator=g)
         w, ids = torch.topk(torch.softmax(logits, -1), topk)
-        fused_moe.fused_experts_triton(x[:m], w1, w2, w, ids.to(torch.int32), quant=quant)
+        triton_backend.fused_experts_triton(x[:m], w1, w2, w, ids.to(torch.int32), quant=quant)
     return rec.calls
 
 

@@ -21,9 +21,9 @@ from test_fused_moe import check_close
 
 from hopper_moe import reference
 from hopper_moe.quant import make_quant_config
-from hopper_moe.triton import configs as triton_configs
-from hopper_moe.triton.fused_moe import fused_experts_triton
-from hopper_moe.triton.fused_moe import precision as triton_precision
+from hopper_moe.backends.triton import fused_experts_triton
+from hopper_moe.backends.triton import precision as triton_precision
+from hopper_moe.kernels import moe_gemm_configs as triton_configs
 
 SCHEMES = ["bf16", "fp8_tensor", "fp8_tensor_static", "fp8_channel", "fp8_block"]
 
@@ -159,7 +159,7 @@ def test_gemm1_silu_epilogue(swap_ab, out):
     rows of slots that are not placed stay as they were; the FP8 output is quantized with
     the static scale; the amax output is the dynamic per-tensor scale of what was stored."""
     from hopper_moe.quant import FP8_MAX, FP8_MIN_SCALE
-    from hopper_moe.triton.fused_moe import Routing, invoke_moe_gemm
+    from hopper_moe.backends.triton import Routing, invoke_moe_gemm
 
     g = seeded(21)
     E, topk, H, I, M = 3, 2, 64, 40, 6
@@ -256,7 +256,7 @@ def _compiled_variants(kernel) -> int:
 @gpu
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor", "fp8_channel", "fp8_block"])
 def test_no_recompilation_across_token_counts(scheme):
-    from hopper_moe.triton.moe_gemm import moe_gemm_kernel
+    from hopper_moe.kernels.moe_gemm import moe_gemm_kernel
 
     E, topk, H, I = 8, 2, 256, 128
     x, w1, w2, _, _, quant, _ = make_layer(8192, E, topk, H, I, scheme, "cuda", seed=0)
@@ -284,13 +284,13 @@ def test_recompilation_counter_detects_specialization():
     integer changes divisibility, so the counter above can see recompilation."""
     import triton
 
-    from hopper_moe.triton import moe_gemm
+    from hopper_moe.kernels import moe_gemm
 
     specialized = triton.jit(moe_gemm.moe_gemm_kernel.fn)
     orig = moe_gemm.moe_gemm_kernel
     try:
         moe_gemm.moe_gemm_kernel = specialized
-        import hopper_moe.triton.fused_moe as fm
+        import hopper_moe.backends.triton as fm
         fm.moe_gemm_kernel = specialized
         x, w1, w2, _, _, _, _ = make_layer(64, 4, 2, 128, 64, "bf16", "cuda", seed=0)
         for m in (1, 7, 16, 33):

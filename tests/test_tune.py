@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hopper_moe import tune
-from hopper_moe.triton import configs
+from hopper_moe import settings
+from hopper_moe.kernels import moe_gemm_configs as configs
 
 SHAPES = [(8, 2), (128, 8)]  # (num_experts, top_k)
 MS = [1, 2, 8, 48, 64, 4096]
@@ -160,7 +161,7 @@ def test_round_trip_through_get_config(tmp_path, monkeypatch, fresh_config_cache
     path = tune.output_path(tmp_path, E, inter, "fp8_channel", device_name="Test GPU")
     for m, cfg in ((1, CFG_A), (16, CFG_B), (256, CFG_C)):
         tune.save_entry(path, m, cfg)
-    monkeypatch.setenv("HOPPER_MOE_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(settings, "CONFIG_DIR", str(tmp_path))
     monkeypatch.setattr(configs.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(configs, "_device_name", lambda: "Test GPU")
     for tokens, want in ((1, CFG_A), (3, CFG_A), (10, CFG_B), (16, CFG_B), (100, CFG_B),

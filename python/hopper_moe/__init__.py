@@ -2,22 +2,21 @@
 
 Ops are registered under ``torch.ops.hopper_moe`` with vLLM's schemas; ``hopper_moe.ops``
 mirrors ``vllm._custom_ops``; ``fused_topk`` / ``fused_experts`` / ``fused_moe`` are the layer
-API; ``hopper_moe.reference`` holds the fp32 definitions everything is tested against.
+API (``hopper_moe.api``, backends in ``hopper_moe.backends``); ``hopper_moe.reference`` holds
+the fp32 definitions everything is tested against; ``hopper_moe.kernels`` the Triton kernels,
+among them ``fused_inv_rope_fp8_quant`` (an attention-output op); ``hopper_moe.settings`` the
+environment variables, read once at import.
 """
 from __future__ import annotations
 
 import torch
 
+from . import settings  # noqa: F401  (first: the environment is read once, here)
 from . import _C  # noqa: F401  (registers torch.ops.hopper_moe.*)
 from . import _fake  # noqa: F401  (fake/meta implementations)
 from . import ops, reference
-from . import triton as _triton_backend
-from .fused_moe import fused_experts, fused_moe, fused_topk, register_backend
+from .api import available_backends, fused_experts, fused_moe, fused_topk, register_backend
 from .quant import QuantConfig
-from . import cute as _cute_backend  # noqa: E402  (needs fused_moe)
-
-register_backend("triton", _triton_backend.run, _triton_backend.is_available)
-register_backend("cute", _cute_backend.run, _cute_backend.is_available)
 
 __version__ = "0.1.0"
 
@@ -33,6 +32,7 @@ def built_with_cuda() -> bool:
 
 __all__ = [
     "QuantConfig",
+    "available_backends",
     "built_with_cuda",
     "fused_experts",
     "fused_moe",

@@ -95,7 +95,12 @@ def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
     expert_first_token_offset = torch.empty(n_local_expert + 1, dtype=torch.int64, device=dev)
     permuted_idx = torch.empty((rows,), dtype=torch.int32, device=dev)  # the op writes each entry
     inv_permuted_idx = torch.empty((n_token, topk), dtype=torch.int32, device=dev)
-    _ops.moe_permute(hidden_states, topk_ids.to(torch.int32), token_expert_indices, expert_map,
+    if topk_ids.dtype != torch.int32:
+        # An id that int32 cannot hold is no expert: -1 (skipped), never its low 32 bits.
+        topk_ids = torch.where((topk_ids >= torch.iinfo(torch.int32).min)
+                               & (topk_ids <= torch.iinfo(torch.int32).max),
+                               topk_ids, -1).to(torch.int32)
+    _ops.moe_permute(hidden_states, topk_ids, token_expert_indices, expert_map,
                      n_expert, n_local_expert, topk, permuted_hidden_states,
                      expert_first_token_offset, inv_permuted_idx, permuted_idx)
     if a1q_scale is not None and a1q_scale.dim() > 1 and rows > 0:

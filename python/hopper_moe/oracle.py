@@ -2,19 +2,22 @@
 
 The table maps (device type, quant scheme) to rows ``(max_num_tokens, preferences)`` in
 increasing max_num_tokens order (None = no upper bound). The first row whose bound covers the
-token count gives the preference order; the first preferred backend that is available wins.
-Rows change only with a benchmark table (benchmarks/results/) that shows the new choice is
-not slower.
+token count gives the preference order; the first preferred backend that is available wins,
+else the first available one of FALLBACK_ORDER. Backend names are api's ("sm90", not its
+alias "cute"). A row changes only with a whole-layer benchmark table in benchmarks/results/
+(benchmarks/bench_moe.py) that shows the new choice is not slower.
 
-Current rows, from benchmarks/results/h200_moe.md (H200, mixtral and qwen3_30b, bf16 and FP8
-per-tensor, M = 1..4096; fp8_channel from h200_moe_v1.md):
-- CUDA bf16, fp8_tensor, fp8_channel: "triton" at every M: 1.19-4.71x faster than "torch"
-  and faster than "cute" at every M of that run (cute's layer is 3-6% behind it for mixtral
-  bf16 M = 2..64, 11% at M = 1, and further behind from M = 256 on, where cute has no
-  standard mapping yet: benchmarks/NOTES.md, v11).
-- CUDA fp8_block: "torch" (the Triton block-FP8 layer is not benchmarked yet; cute has no
-  block FP8).
-- CPU rows keep "torch".
+What the table says, and the tables it rests on:
+
+- CUDA, bf16 / fp8_tensor / fp8_channel: "triton" at every token count, then "torch". In
+  benchmarks/results/h200_moe.md (H200; mixtral and qwen3_30b; bf16 and fp8_tensor;
+  M = 1..4096) the Triton layer is the fastest at every M, ahead of "sm90", and 1.2-4.7x
+  faster than "torch"; fp8_channel rests on benchmarks/results/h200_moe_v1.md (the same
+  shapes, "triton" against "torch" only).
+- CUDA, fp8_block: "torch". No table in benchmarks/results/ times the Triton block-FP8
+  layer yet, and "sm90" has no block FP8.
+- CPU, every scheme: "torch" (Triton runs on the CPU only in its interpreter, and "sm90" on
+  the ops' readable CPU definitions: both are for tests).
 """
 from __future__ import annotations
 

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The FP8 scale floors, defined here once for the Python side (hopper_moe.prepare and
+# hopper_moe.reference use these); the kernels' own are fp8::kMinScale and the group ops' eps.
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # floor of dynamic per-tensor / per-token scales
 GROUP_EPS = 1e-10  # floor of a per-token-group amax
 

@@ -12,9 +12,10 @@ pruned search space (CUDA graph of one call, median of replays, L2 evicted betwe
 the timing core of benchmarks/common.py), rejects candidates whose output is off (checked
 against the fp32 reference, relative to the accuracy of the first candidate, the default
 config), and writes the fastest config of each M to the JSON file that
-`triton.configs.get_config` reads: `<out>/<configs.config_file_name(E, I, scheme)>`, keyed by
-M, written after each M so that `--resume` skips the M values already in the file. Use the
-file with HOPPER_MOE_CONFIG_DIR=<out>, or copy it into python/hopper_moe/configs/.
+`kernels.moe_gemm_configs.get_config` reads: `<out>/<configs.config_file_name(E, I,
+scheme)>`, keyed by M, written after each M so that `--resume` skips the M values already in
+the file. Use the file with HOPPER_MOE_CONFIG_DIR=<out> (set before hopper_moe is imported),
+or copy it into python/hopper_moe/configs/.
 
 Search space: BLOCK_M 16/32/64/128, BLOCK_N 32..256, BLOCK_K 64/128/256, GROUP_M 1/8/16,
 SWAP_AB, ONE_SLOT_PER_BLOCK, num_warps 4/8, num_stages 2..5, pruned by `why_pruned`.
@@ -38,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from .triton import configs
+from .kernels import moe_gemm_configs as configs
 
 SCHEMES = ("bf16", "fp8_tensor", "fp8_channel", "fp8_block")
 BLOCK_MS = (16, 32, 64, 128)
@@ -231,14 +232,14 @@ class Layer:
     quant: Any = None
 
     def __call__(self) -> torch.Tensor:
-        from .triton.fused_moe import fused_experts_triton
+        from .backends.triton import fused_experts_triton
         return fused_experts_triton(self.x, self.w1, self.w2, self.topk_weights, self.topk_ids,
                                     quant=self.quant)
 
     def reference(self) -> torch.Tensor:
         """fp32 reference at the Triton layer's storage precision."""
         from .reference import fused_experts_ref
-        from .triton.fused_moe import precision
+        from .backends.triton import precision
         return fused_experts_ref(self.x, self.w1, self.w2, self.topk_weights, self.topk_ids,
                                  quant=self.quant, **precision(self.quant))
 
@@ -262,13 +263,13 @@ def make_layer(shape, w1, w2, quant, m: int, device, seed: int) -> Layer:
 @contextlib.contextmanager
 def forced_config(cfg: dict):
     """Make fused_experts_triton use `cfg` whatever get_config would say."""
-    from .triton import fused_moe
-    orig = fused_moe.get_config
-    fused_moe.get_config = lambda *args, **kwargs: dict(cfg)
+    from .backends import triton as backend
+    orig = backend.get_config
+    backend.get_config = lambda *args, **kwargs: dict(cfg)
     try:
         yield
     finally:
-        fused_moe.get_config = orig
+        backend.get_config = orig
 
 
 def judge(out: torch.Tensor, ref: torch.Tensor, scheme: str,

@@ -25,6 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..quant import FP8_MAX, FP8_MIN_SCALE
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -38,8 +40,8 @@ __all__ = [
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-FP8_MIN_SCALING_FACTOR = 1.0 / (FP8_MAX * 512.0)
+# vLLM's name for the floor of dynamic per-tensor / per-token scales (defined in hopper_moe.quant).
+FP8_MIN_SCALING_FACTOR = FP8_MIN_SCALE
 
 
 def _clamp_e4m3(v: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ Quantization of each 128-element block with amax ``a``:
 
 Returns ``(x_fp8 [T, n_groups, D] float8_e4m3fn, scales [T, n_groups, K] float32)`` as
 contiguous tensors (the kernel returns the same values in DeepGEMM's layouts; see
-hopper_moe.triton.inv_rope_quant). Positions out of range are clamped (no error), as the
+hopper_moe.kernels.inv_rope_quant). Positions out of range are clamped (no error), as the
 kernel does. Non-finite inputs give unspecified outputs.
 """
 from __future__ import annotations

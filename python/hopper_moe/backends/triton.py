@@ -1,37 +1,64 @@
-"""The Triton MoE layer: align -> (quant) -> GEMM1 with SiLU*mul (+ quant) -> GEMM2 (* weight) -> sum.
+"""The "triton" backend of fused_experts: align -> (quant) -> GEMM1 with SiLU*mul (+ quant)
+-> GEMM2 (* weight) -> sum, with one Triton grouped GEMM (hopper_moe.kernels.moe_gemm,
+swap-AB for small token blocks).
 
-`fused_experts_triton` is what `hopper_moe.fused_experts(..., backend="triton")` runs. Arguments
-are validated by the caller (hopper_moe.fused_moe); this module only plans and launches.
-Configs come from `configs.get_config` (finite M buckets, so a new token count never means a
-new compiled kernel).
+``run`` / ``fused_experts_triton`` is what ``hopper_moe.fused_experts(..., backend="triton")``
+runs. Arguments are validated by the caller (hopper_moe.api); this module only plans and
+launches. Configs come from ``kernels.moe_gemm_configs.get_config`` (finite M buckets, so a
+new token count never means a new compiled kernel). The scheme-dependent steps (activation
+quantization, how GEMM2's input is quantized, weight-scale shapes, the dynamic scale's floor)
+are hopper_moe.prepare's.
+
+Triton itself is imported on the backend's first launch, not with hopper_moe.
 """
 from __future__ import annotations
 
-import os
+import importlib.util
 
 import torch
-import triton
 
-from .. import ops
-from ..quant import FP8_MIN_SCALE
-from .configs import get_config
-from .moe_gemm import moe_gemm_kernel
+from .. import ops, prepare, settings
+from ..kernels.moe_gemm_configs import get_config
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["Routing", "fused_experts_triton", "invoke_moe_gemm", "is_available", "precision",
+           "run"]
+
 _QUANT_NONE, _QUANT_TENSOR, _QUANT_CHANNEL, _QUANT_BLOCK = 0, 1, 2, 3
 
+# Looked up once: fused_experts asks on every call, also while torch.compile traces it, and
+# Dynamo does not trace importlib (it breaks the graph there).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-def _quantize_act(x: torch.Tensor, quant, static_scale: torch.Tensor | None):
-    """Quantize activations [rows, K] per the scheme; returns (x_q, scale, stride_asm,
-    stride_ask)."""
+
+def is_available(device_type: str) -> bool:
+    """Compiled kernels on CUDA; on the CPU only inside Triton's interpreter (tests)."""
+    if not _HAS_TRITON:
+        return False
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    return device_type == "cpu" and settings.TRITON_INTERPRET
+
+
+def _moe_gemm():
+    """hopper_moe.kernels.moe_gemm (its kernel is looked up there on every launch, so that a
+    replaced kernel is the one launched); importing it imports Triton."""
+    from ..kernels import moe_gemm
+
+    return moe_gemm
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _act_scale_strides(scale: torch.Tensor, quant) -> tuple[int, int]:
+    """(stride over rows, over K groups) of an activation scale from
+    prepare.quantize_activations: [R, K/g] per group, [R, 1] per token, [1] per tensor."""
     if quant.block_shape is not None:
-        xq, xs = ops.per_token_group_quant_fp8(x, quant.block_shape[1])
-        return xq, xs, xs.stride(0), xs.stride(1)
+        return scale.stride(0), scale.stride(1)
     if quant.per_act_token_quant:
-        xq, xs = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
-        return xq, xs, xs.stride(0), 0
-    xq, xs = ops.scaled_fp8_quant(x, static_scale)
-    return xq, xs, 0, 0
+        return scale.stride(0), 0
+    return 0, 0
 
 
 def _quant_mode(quant) -> int:
@@ -44,13 +71,13 @@ def _quant_mode(quant) -> int:
     return _QUANT_TENSOR
 
 
-def _weight_scale_strides(scale: torch.Tensor, mode: int):
-    """(stride over experts, over N groups/channels, over K groups) of a weight scale."""
-    if mode == _QUANT_BLOCK:
-        return scale.stride(0), scale.stride(1), scale.stride(2)
-    if mode == _QUANT_CHANNEL and scale.dim() >= 2 and scale.size(1) > 1:
-        return scale.stride(0), scale.stride(1), 0
-    return scale.stride(0), 0, 0
+def _weight_scale_strides(scale: torch.Tensor, w: torch.Tensor, quant):
+    """(stride over experts, over N groups/channels, over K groups) of the scale of w: 0
+    over a dimension it is constant along (prepare.weight_scale_3d's view)."""
+    s = prepare.weight_scale_3d(scale, w, quant)
+    block = quant.block_shape is not None
+    return (s.stride(0), s.stride(1) if block or quant.per_out_ch_quant else 0,
+            s.stride(2) if block else 0)
 
 
 class Routing:
@@ -73,7 +100,7 @@ class Routing:
 
     def num_blocks(self, block_m: int) -> int:
         if self.aligned:
-            return triton.cdiv(self.sorted_ids.numel(), block_m)
+            return _cdiv(self.sorted_ids.numel(), block_m)
         return self.topk_ids.numel()
 
 
@@ -88,16 +115,16 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
     the dynamic scale's floor by the caller) receives max(out_scale, amax(C) / 448)."""
     n, k = b.shape[1], b.shape[2]
     mode = _quant_mode(quant)
-    grid = (routing.num_blocks(config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (routing.num_blocks(config["BLOCK_M"]) * _cdiv(n, config["BLOCK_N"]),)
     dummy = c  # stands in for absent pointers (never read)
     if mode == _QUANT_NONE:
         bse = bsn = bsk = 0
         b_scale = dummy
         a_scale = dummy
     else:
-        bse, bsn, bsk = _weight_scale_strides(b_scale, mode)
+        bse, bsn, bsk = _weight_scale_strides(b_scale, b, quant)
     group_n, group_k = (quant.block_shape if mode == _QUANT_BLOCK else (1, 1))
-    moe_gemm_kernel[grid](
+    _moe_gemm().moe_gemm_kernel[grid](
         a, b, c, a_scale, b_scale, topk_weights if mul_routed_weight else dummy,
         out_scale if out_scale is not None else dummy,
         routing.sorted_ids, routing.expert_ids, routing.ntp,
@@ -127,7 +154,7 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
         FUSE_SILU=fuse_silu,
         OUT_FP8=fuse_silu and c.dtype == ops.FP8_DTYPE,
         AMAX_OUT=amax_out,
-        INTERPRETER=_INTERPRET,
+        INTERPRETER=settings.TRITON_INTERPRET,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
@@ -140,8 +167,7 @@ def precision(quant, dtype: torch.dtype = torch.bfloat16) -> dict:
     the epilogue quantizes it straight to FP8; GEMM2's output is stored in `dtype` before the
     top-k sum (fp32 storage rounds nothing)."""
     store = None if dtype == torch.float32 else dtype
-    static_a2 = quant is not None and _quant_mode(quant) == _QUANT_TENSOR and \
-        quant.a2_scale is not None
+    static_a2 = prepare.gemm2_input(quant) == prepare.STATIC_TENSOR
     return dict(intermediate_dtype=store, gemm1_dtype=None,
                 act_dtype=None if static_a2 else store)
 
@@ -175,45 +201,46 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     scheme = "bf16" if mode == _QUANT_NONE else quant.scheme
 
     cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme)
+    # The kernels index the weights with the mapped id: an entry outside [0, E_local) is a
+    # non-local expert (-1), as in the other backends, never a row of w1 / w2 past its end.
+    if expert_map is not None:
+        expert_map = prepare.local_expert_map(expert_map, w1.shape[0])
+    # The kernels read topk_weights with a flat slot index.
+    topk_weights = topk_weights.contiguous()
     routing = Routing(topk_ids.contiguous(), expert_map, num_experts, cfg["BLOCK_M"],
                       aligned=not cfg.get("ONE_SLOT_PER_BLOCK", False))
     mark("align")
 
     x = hidden_states
     if apply_router_weight_on_input:
-        x = (x.float() * topk_weights.view(num_tokens, 1)).to(out_dtype)
+        x = prepare.router_weighted_input(x, topk_weights).to(out_dtype)
 
     if mode == _QUANT_NONE:
         a1, a1_s, a1_st = x, None, (0, 0)
     else:
-        a1, a1_s, asm, ask = _quantize_act(x, quant, quant.a1_scale)
-        a1_st = (asm, ask)
+        a1, a1_s = prepare.quantize_activations(x, quant, quant.a1_scale)
+        a1_st = _act_scale_strides(a1_s, quant)
     mark("quant1")
-    # GEMM1 applies SiLU*mul in its epilogue: act [slots, I] is its only output. Rows of
-    # slots that are never placed (ids outside [0, num_experts)) stay unwritten; GEMM2 never
-    # reads them, and a dynamic per-tensor scale is the amax of the written rows only.
-    static_q2 = mode == _QUANT_TENSOR and quant.a2_scale is not None
-    dynamic_q2 = mode == _QUANT_TENSOR and quant.a2_scale is None
-    if static_q2:
-        act_scale = quant.a2_scale  # the epilogue writes FP8 with it
-    elif dynamic_q2:  # the epilogue maxes amax / 448 into the floor: the dynamic scale
-        act_scale = torch.full((1,), FP8_MIN_SCALE, dtype=torch.float32, device=x.device)
-    else:
-        act_scale = None
-    act = torch.empty((num_slots, inter2 // 2), dtype=ops.FP8_DTYPE if static_q2 else out_dtype,
+    # GEMM1 applies SiLU*mul in its epilogue: act [slots, I] is its only output, GEMM2's input
+    # itself where prepare.gemm1_writes_gemm2_input (FP8 with a static a2 scale). With a
+    # dynamic per-tensor scale the epilogue maxes amax / 448 into the scale's floor instead,
+    # which makes it the dynamic scale. Rows of slots that are never placed (ids outside
+    # [0, num_experts)) stay unwritten; GEMM2 never reads them, and a dynamic per-tensor scale
+    # is the amax of the written rows only.
+    kind = prepare.gemm2_input(quant)
+    act_scale = prepare.gemm1_epilogue_scale(quant, x.device)
+    act_fp8 = kind == prepare.STATIC_TENSOR
+    act = torch.empty((num_slots, inter2 // 2), dtype=ops.FP8_DTYPE if act_fp8 else out_dtype,
                       device=x.device)
     invoke_moe_gemm(a1, w1, act, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
                     topk_weights, routing, top_k, num_slots, quant, False, cfg, fuse_silu=True,
-                    out_scale=act_scale, amax_out=dynamic_q2)
+                    out_scale=act_scale, amax_out=kind == prepare.DYNAMIC_TENSOR)
     mark("gemm1")
-    if mode == _QUANT_NONE or static_q2:
+    if prepare.gemm1_writes_gemm2_input(quant):
         a2, a2_s, a2_st = act, act_scale, (0, 0)
-    elif dynamic_q2:
-        a2, a2_s = ops.scaled_fp8_quant(act, act_scale)
-        a2_st = (0, 0)
     else:
-        a2, a2_s, asm, ask = _quantize_act(act, quant, None)
-        a2_st = (asm, ask)
+        a2, a2_s = prepare.quantize_activations(act, quant, act_scale)
+        a2_st = _act_scale_strides(a2_s, quant)
     mark("quant2")
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
     invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
@@ -226,3 +253,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     ops.moe_sum(cache2.view(num_tokens, top_k, hidden), out, topk_ids, sum_map)
     mark("sum")
     return out
+
+
+def run(*args, **kwargs) -> torch.Tensor:
+    return fused_experts_triton(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""The "cute" backend of fused_experts: the layer around hopper_moe's SM90 grouped GEMM.
+"""The "sm90" backend of fused_experts (also named "cute"): the layer around hopper_moe's
+SM90 grouped GEMM.
 
     (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
     GEMM1 with SiLU*mul (+ static FP8 quant, or the dynamic per-tensor scale's amax) in its
@@ -11,8 +12,9 @@ and moe_unpermute are programmatic dependent launches: each starts while the ker
 drains, the GEMMs streaming their first weight tiles before their input is complete. Where
 GEMM1 writes GEMM2's input itself (bf16, static a2 scale) the two are one call
 (moe_grouped_gemm_chain), whose kernels chain with HOPPER_MOE_CUTE_CHAIN=1: GEMM2 then
-starts on each expert's rows once GEMM1 has written them (off by default, benchmarks/NOTES.md
-v29).
+starts on each expert's rows once GEMM1 has written them. Chaining is off by default: the
+fill of its per-expert counters before GEMM1 costs the layer more than GEMM2's early start
+gains.
 Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3 per-tensor (static or dynamic
 activation scales) and per-token activations x per-channel weights. Block-wise [128,128] FP8
 is not in the kernel yet: ``backend="triton"`` runs it.
@@ -24,7 +26,8 @@ host synchronization: the slot order and the expert row offsets stay on the devi
 layer can be captured in a CUDA graph.
 
 Not yet fused: the activation quantization, the permutation and the final sum are separate
-launches (hopper_moe's ops).
+launches (hopper_moe's ops). The scheme-dependent steps (activation quantization, how GEMM2's
+input is quantized, weight-scale shapes, the dynamic scale's floor) are hopper_moe.prepare's.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from . import ops
+from .. import ops, prepare
 
 _GEMM = torch.ops.hopper_moe.moe_grouped_gemm.default
 _GEMM1 = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default
@@ -40,7 +43,7 @@ _CHAIN = torch.ops.hopper_moe.moe_grouped_gemm_chain.default
 
 
 def _fail(msg: str) -> None:
-    raise RuntimeError(f"fused_experts(backend='cute'): {msg}")
+    raise RuntimeError(f"fused_experts(backend='sm90'): {msg}")
 
 
 def is_available(device_type: str) -> bool:
@@ -52,14 +55,26 @@ def is_available(device_type: str) -> bool:
         return False
     global _CUDA_SM90
     if _CUDA_SM90 is None:  # once per process, outside any torch.compile trace after that
-        from . import built_with_cuda
+        from .. import built_with_cuda
 
-        _CUDA_SM90 = (built_with_cuda() and torch.cuda.is_available()
-                      and torch.cuda.get_device_capability() == (9, 0))
+        _CUDA_SM90 = built_with_cuda() and torch.cuda.is_available() and any(
+            torch.cuda.get_device_capability(i) == (9, 0)
+            for i in range(torch.cuda.device_count()))
     return _CUDA_SM90
 
 
+# Whether any GPU of this process can run the kernel; _check_supported then asks about the
+# tensors' own device (_SM90_DEVICES), so a machine with other GPUs too gets a clear error
+# for those.
 _CUDA_SM90: Optional[bool] = None
+_SM90_DEVICES: dict = {}
+
+
+def _device_is_sm90(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90_DEVICES:
+        _SM90_DEVICES[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _SM90_DEVICES[index]
 
 
 def _check_supported(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -74,22 +89,10 @@ def _check_supported(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Te
         if (k * elem) % 16:
             _fail(f"{name} = {k} must be a multiple of {16 // elem} for "
                   f"{'FP8' if quant is not None else 'bf16'} operands")
-    if hidden_states.device.type == "cuda" and not is_available("cuda"):
-        _fail("needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe")
-
-
-def _act_quant(x: torch.Tensor, quant, static_scale):
-    """FP8 activations [R, K] and their scale: [R, 1] per token, [1] per tensor."""
-    if quant.per_act_token_quant:
-        return ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
-    return ops.scaled_fp8_quant(x, static_scale)
-
-
-def _weight_scales(scale: torch.Tensor, w: torch.Tensor, quant) -> torch.Tensor:
-    """[E] (per expert) or [E, N] (per output channel), float32, contiguous."""
-    e, n = w.shape[0], w.shape[1]
-    shape = (e, n) if quant.per_out_ch_quant else (e,)
-    return scale.float().reshape(shape).contiguous()
+    if hidden_states.device.type == "cuda" and not (
+            is_available("cuda") and _device_is_sm90(hidden_states.device)):
+        _fail(f"needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe; "
+              f"{hidden_states.device} is not one")
 
 
 def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
@@ -101,12 +104,12 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     of range, non-local experts) sort after offsets[E], where no GEMM reads or writes."""
     x = hidden_states
     if apply_router_weight_on_input:
-        x = x.float() * topk_weights.float()  # [M, 1]: topk == 1
+        x = prepare.router_weighted_input(x, topk_weights)
     if quant is None:
         xq, x_scale, w1g, w1_scale = x.to(torch.bfloat16), None, w1.to(torch.bfloat16), None
     else:
-        xq, x_scale = _act_quant(x, quant, quant.a1_scale)  # bf16 or fp32 rows
-        w1g, w1_scale = w1, _weight_scales(quant.w1_scale, w1, quant)
+        xq, x_scale = prepare.quantize_activations(x, quant, quant.a1_scale)
+        w1g, w1_scale = w1, prepare.gemm_weight_scales(quant.w1_scale, w1, quant)
     if expert_map is not None and expert_map.dtype != torch.int32:
         expert_map = expert_map.to(torch.int32)
     # A per-token scale [M, 1] comes back permuted with the rows ([S, 1]).
@@ -115,94 +118,64 @@ def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
     return a1, a1_scale, offsets, inv_idx, w1g.contiguous(), w1_scale
 
 
-def _static_a2(quant) -> bool:
-    """A static per-tensor a2 scale: GEMM1 quantizes in its epilogue."""
-    return quant is not None and not quant.per_act_token_quant and quant.a2_scale is not None
-
-
-def _dynamic_per_tensor(quant) -> bool:
-    return quant is not None and not quant.per_act_token_quant and quant.a2_scale is None
-
-
 def _gemm2_weights(w2, quant):
     """GEMM2's weights in the GEMM's dtype and their scale (None with bf16)."""
     if quant is None:
         return w2.to(torch.bfloat16).contiguous(), None
-    return w2.contiguous(), _weight_scales(quant.w2_scale, w2, quant)
+    return w2.contiguous(), prepare.gemm_weight_scales(quant.w2_scale, w2, quant)
 
 
 def _gemm1_output(a1, w1g, quant):
-    """Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale): that input [S, I]
-    (bf16, or e4m3) and its scale (None, or the static [1])."""
-    shape = (a1.shape[0], w1g.shape[1] // 2)
-    if quant is None:
-        return torch.empty(shape, dtype=torch.bfloat16, device=a1.device), None
-    return (torch.empty(shape, dtype=torch.float8_e4m3fn, device=a1.device),
-            quant.a2_scale.float().reshape(1).contiguous())
+    """GEMM1's output [S, I]: GEMM2's input itself where GEMM1 writes it (bf16, or e4m3 with a
+    static a2 scale: prepare.gemm1_writes_gemm2_input), else the bf16 SiLU*mul output that
+    GEMM2's input is quantized from."""
+    fp8 = quant is not None and prepare.gemm1_writes_gemm2_input(quant)
+    return torch.empty((a1.shape[0], w1g.shape[1] // 2),
+                       dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=a1.device)
 
 
-def _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
-                    a2_floor=None):
-    """GEMM1 with SiLU*mul (+ a static FP8 quantization) in its epilogue, and GEMM2's other
-    operands: (a2 [S, I], its scale, w2 in the GEMM's dtype, w2's scale). a2_floor: with a
-    dynamic per-tensor a2 scale, the [1] buffer that becomes it (_dynamic_scale_floor)."""
-    w2g, w2_scale = _gemm2_weights(w2, quant)
-    if quant is None or _static_a2(quant):
-        a2, a2_scale = _gemm1_output(a1, w1g, quant)
-        _GEMM1(a2, a1, w1g, offsets, a1_scale, w1_scale, a2_scale, offsets_ready)
-        return a2, a2_scale, w2g, w2_scale
-    h = torch.empty((a1.shape[0], w1g.shape[1] // 2), dtype=torch.bfloat16, device=a1.device)
-    if quant.per_act_token_quant:  # SiLU*mul in bf16, then each row's scale
-        _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready)
-        a2, a2_scale = _act_quant(h, quant, None)
-        return a2, a2_scale, w2g, w2_scale
-    # Dynamic per tensor: GEMM1's epilogue folds the amax of the rows it writes into the scale
-    # (started at the floor of dynamic_scaled_fp8_quant, so the scale is the same), then one
-    # static quantization. Rows past offsets[E] (slots that do not count) are not written and
-    # never read.
-    a2_scale = _dynamic_scale_floor(a1.device) if a2_floor is None else a2_floor
+def _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant, offsets_ready,
+                      a2_scale):
+    """GEMM1 with SiLU*mul into bf16 h [S, I], then GEMM2's input quantized from h: (a2, its
+    scale). Per token: each row's scale. Dynamic per tensor: a2_scale (from
+    prepare.gemm1_epilogue_scale) is the buffer GEMM1's epilogue folds the amax of the rows it
+    writes into (started at the floor of dynamic_scaled_fp8_quant, so the scale is the same),
+    then one static quantization with it. Rows past offsets[E] (slots that do not count) are
+    not written and never read."""
     _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready, a2_scale)
-    a2, _ = ops.scaled_fp8_quant(h, a2_scale)
-    return a2, a2_scale, w2g, w2_scale
+    return prepare.quantize_activations(h, quant, a2_scale)
 
 
 def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
-                 a2_floor=None):
+                 a2_scale):
     """GEMM1 with SiLU*mul (and GEMM2's input quantization), then GEMM2 into y [S, H].
-    Where GEMM1 writes GEMM2's input itself (bf16, a static a2 scale) the two are one
-    moe_grouped_gemm_chain call (chained kernels with HOPPER_MOE_CUTE_CHAIN=1). Returns
-    GEMM2's input."""
-    if quant is None or _static_a2(quant):
-        a2, a2_scale = _gemm1_output(a1, w1g, quant)
-        w2g, w2_scale = _gemm2_weights(w2, quant)
-        _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale,
+    a2_scale: prepare.gemm1_epilogue_scale(quant). Where GEMM1 writes GEMM2's input itself
+    (bf16, a static a2 scale) the two are one moe_grouped_gemm_chain call (chained kernels
+    with HOPPER_MOE_CUTE_CHAIN=1). Returns GEMM2's input."""
+    w2g, w2_scale = _gemm2_weights(w2, quant)
+    h = _gemm1_output(a1, w1g, quant)
+    if prepare.gemm1_writes_gemm2_input(quant):
+        _CHAIN(y, h, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale,
                offsets_ready)
-        return a2
+        return h
     # A quantization kernel runs between the GEMMs (it waits for GEMM1 before letting GEMM2
     # start), so GEMM2 may read the offsets early.
-    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
-                                                  quant, offsets_ready, a2_floor)
+    a2, a2_scale = _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant,
+                                     offsets_ready, a2_scale)
     _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
     return a2
 
 
-def _dynamic_scale_floor(device) -> torch.Tensor:
-    """[1] f32 holding the smallest scale dynamic per-tensor quantization produces."""
-    return torch.full((1,), _MIN_SCALE, dtype=torch.float32, device=device)
-
-
-_MIN_SCALE = 1.0 / (448.0 * 512.0)  # fp8::kMinScale (common/fp8.cuh)
-
-
-def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+def fused_experts_sm90(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        apply_router_weight_on_input: bool, global_num_experts: int,
                        expert_map, quant) -> torch.Tensor:
     """Arguments as ``hopper_moe.fused_experts`` after its validation (M > 0,
     global_num_experts resolved)."""
     _check_supported(hidden_states, w1, w2, quant)
-    # Filled here, not just before GEMM1, so that GEMM1 follows the row gather directly.
-    a2_floor = _dynamic_scale_floor(hidden_states.device) if _dynamic_per_tensor(quant) else None
+    # Made here, not just before GEMM1 (a dynamic scale's floor is a fill kernel), so that
+    # GEMM1 follows the row gather directly.
+    a2_scale = prepare.gemm1_epilogue_scale(quant, hidden_states.device)
     a1, a1_scale, offsets, inv_idx, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input,
         global_num_experts, expert_map, quant)
@@ -211,7 +184,7 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     # kernel just before GEMM1 does not write them, nor does any kernel before GEMM2.
     ready = w1.shape[2] > 0
     y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, ready, a2_floor)
+    _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, ready, a2_scale)
     # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
     weights = torch.ones_like(topk_weights, dtype=torch.float32) \
         if apply_router_weight_on_input else topk_weights.float().contiguous()
@@ -222,7 +195,7 @@ def fused_experts_cute(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
 
 
 def run(*args, **kwargs) -> torch.Tensor:
-    return fused_experts_cute(*args, **kwargs)
+    return fused_experts_sm90(*args, **kwargs)
 
 
 def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -234,23 +207,23 @@ def make_gemm_only(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     a1, a1_scale, offsets, _, w1g, w1_scale = _permuted_gemm1_operands(
         hidden_states, w1, topk_weights, topk_ids, False, w1.shape[0], None, quant)
     y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    if quant is None or _static_a2(quant):  # GEMM1 writes GEMM2's input itself: one call
-        a2, a2_scale = _gemm1_output(a1, w1g, quant)
-        w2g, w2_scale = _gemm2_weights(w2, quant)
+    a2_scale = prepare.gemm1_epilogue_scale(quant, a1.device)
+    w2g, w2_scale = _gemm2_weights(w2, quant)
+    h = _gemm1_output(a1, w1g, quant)
+    if prepare.gemm1_writes_gemm2_input(quant):  # GEMM1 writes GEMM2's input itself: one call
 
         def chain():
-            _CHAIN(y, a2, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
-            return a2, y
+            _CHAIN(y, h, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
+            return h, y
         return chain
-    # Dynamic scales: GEMM1 writes bf16 here; GEMM2 reads the first pass's quantization.
-    a2, a2_scale, w2g, w2_scale = _gemm1_silu_mul(a1, a1_scale, w1g, w1_scale, offsets, w2,
-                                                  quant, True)
-    h = torch.empty((a1.shape[0], w1.shape[1] // 2), dtype=torch.bfloat16, device=a1.device)
-    # Dynamic per tensor: GEMM1 folds its amax into a scale buffer, as in the layer.
-    amax = _dynamic_scale_floor(a1.device) if _dynamic_per_tensor(quant) else None
+    # Dynamic scales: GEMM2 reads the quantization of a first pass; the timed GEMM1 writes bf16
+    # (dynamic per tensor: folding its amax into a scale buffer of its own, as in the layer).
+    a2, a2q_scale = _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant, True,
+                                      a2_scale)
+    amax = prepare.gemm1_epilogue_scale(quant, a1.device)
 
     def gemms():
         _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, True, amax)
-        _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
+        _GEMM(y, a2, w2g, offsets, a2q_scale, w2_scale, True)
         return h, y
     return gemms

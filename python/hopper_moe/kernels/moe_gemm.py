@@ -50,7 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .inv_rope_quant import _round_to_e4m3
+from .fp8 import round_to_e4m3
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -268,7 +268,7 @@ def moe_gemm_kernel(
             inv_scale = tl.math.div_rn(1.0, tl.load(out_scale_ptr))
             q = tl.minimum(tl.maximum(act * inv_scale, -FP8_MAX), FP8_MAX)
             if INTERPRETER:  # the interpreter's fp8 conversion does not round to nearest
-                q = _round_to_e4m3(q)
+                q = round_to_e4m3(q)
             tl.store(o_ptrs, q.to(c_ptr.dtype.element_ty), mask=o_mask)
         else:
             if INTERPRETER:

@@ -36,11 +36,12 @@ in do_not_specialize; the launch grid is not part of the compiled kernel's key.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .. import settings
+from .fp8 import round_to_e4m3
 
 __all__ = ["fused_inv_rope_fp8_quant"]
 
@@ -65,24 +66,6 @@ def _pow2_scale(amax):
     scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
     inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)
     return scale, inv_scale
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32."""
-    a = tl.abs(v)
-    a_bits = a.to(tl.int32, bitcast=True)
-    sign = v.to(tl.int32, bitcast=True) ^ a_bits
-    # Spacing of e4m3 values around a: 2^(e - 3) for normals (e >= -6), 2^-9 below.
-    step_exp = tl.maximum((a_bits >> 23) - 127, -6) - 3
-    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
-    q = a * inv_step  # exact, < 16
-    r = tl.floor(q)
-    frac = q - r      # exact
-    odd = (r.to(tl.int32) & 1) == 1
-    r = tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
-    return ((r * step).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=TOKEN_DEPENDENT_ARGS)
@@ -135,7 +118,7 @@ def fused_inv_rope_fp8_quant_kernel(
 
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-10)  # (BLOCKS_PER_HEAD,)
     scale, inv_scale = _pow2_scale(amax)
-    q = _round_to_e4m3(y * inv_scale[:, None])
+    q = round_to_e4m3(y * inv_scale[:, None])
 
     # x_fp8 storage [G, n, D]
     out_ptrs = x_fp8_ptr + g * (n * ROW) + t * ROW + j * HEAD_DIM + d
@@ -157,7 +140,7 @@ def _check(x, positions, cos_sin_cache, n_groups, heads_per_group, nope_dim, rop
     if x.dtype not in INPUT_DTYPES:
         _fail("x", f"must have dtype bfloat16, float16 or float32, got {x.dtype}")
     if x.device.type != "cuda" and not (
-            x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+            x.device.type == "cpu" and settings.TRITON_INTERPRET):
         _fail("x", f"must be a CUDA tensor (CPU only under TRITON_INTERPRET=1), got {x.device}")
     if (nope_dim, rope_dim, quant_group_size) != (NOPE_DIM, ROPE_DIM, QUANT_GROUP_SIZE):
         bad = [n for n, v, want in (("nope_dim", nope_dim, NOPE_DIM),

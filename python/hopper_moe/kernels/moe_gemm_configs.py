@@ -4,7 +4,8 @@ A config is a dict: BLOCK_M/N/K, GROUP_M, SWAP_AB, num_warps, num_stages and opt
 ONE_SLOT_PER_BLOCK (skip the alignment; tiny batches). Lookup order:
   1. a JSON file named as vLLM names its tuned files,
      `E={E},N={I},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json`, keyed by M
-     (nearest key wins), in $HOPPER_MOE_CONFIG_DIR (user files win) or hopper_moe/configs/;
+     (nearest key wins), in $HOPPER_MOE_CONFIG_DIR (user files win; read once, at import,
+     into hopper_moe.settings.CONFIG_DIR) or hopper_moe/configs/;
   2. the default heuristic below.
 Either way the number of distinct configs, hence compiled kernels, is bounded.
 """
@@ -13,10 +14,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
+
+from .. import settings
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 _SHIPPED = Path(__file__).resolve().parent.parent / "configs"
@@ -39,7 +41,7 @@ def _device_name() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _load(file_name: str) -> dict[int, dict] | None:
-    for folder in (os.environ.get("HOPPER_MOE_CONFIG_DIR"), _SHIPPED):
+    for folder in (settings.CONFIG_DIR, _SHIPPED):
         if folder and (Path(folder) / file_name).is_file():
             with open(Path(folder) / file_name) as f:
                 return {int(m): cfg for m, cfg in json.load(f).items()}
@@ -60,8 +62,8 @@ def one_slot_pays(num_tokens: int, top_k: int, num_experts: int) -> bool:
     A program per slot reads its expert's weights once per slot, so an expert picked by two
     tokens is streamed twice. One token never picks an expert twice: M = 1 costs nothing
     extra. Otherwise S slots over E experts repeat about S / (2E) of the weight bytes; at
-    S <= E / 8 that is <= 6%, less than the alignment launch it saves on small layers. (The
-    old rule, S <= E, streamed qwen3_30b's weights 1.6x at M = 16: 286 us against 176.)"""
+    S <= E / 8 that is <= 6%, less than the alignment launch it saves on small layers; at
+    S <= E it would be up to half of the weight bytes again, more than that launch costs."""
     slots = num_tokens * top_k
     return num_tokens <= 1 or 8 * slots <= num_experts
 
@@ -92,7 +94,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     elif not fp8:
         cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=block_k, GROUP_M=8, SWAP_AB=False,
                    num_warps=8, num_stages=3)  # 3 x 48 KiB of tiles in shared memory
-    else:  # 128 x 256 measured ~2x slower for FP8 on the H200 (benchmarks/NOTES.md, v4)
+    else:  # FP8 tiles of 128 x 256 ran about 2x slower than these on the H200
         cfg = dict(BLOCK_M=64 if m <= 1024 else 128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8,
                    SWAP_AB=False, num_warps=8 if m > 1024 else 4, num_stages=3)
     if scheme == "fp8_block":

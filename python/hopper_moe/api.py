@@ -1,0 +1,352 @@
+"""The MoE layer API: ``fused_topk``, ``fused_experts``, ``fused_moe`` (vLLM's signatures),
+the backend registry (``register_backend``, ``available_backends``) and argument validation.
+
+This module is ``hopper_moe.api``, not ``hopper_moe.fused_moe``: the package's attribute
+``fused_moe`` is the function (``hopper_moe.fused_moe(x, w1, w2, ...)``, as in vLLM), and a
+submodule of that name would be shadowed by it (``import hopper_moe.fused_moe`` would give
+the function or the module depending on import order). The package re-exports the public
+names; import this module as ``hopper_moe.api`` for the rest (``make_gemm_only``).
+
+Notation: M tokens, H hidden size, E local experts (w1.shape[0]), I intermediate size per
+expert, topk experts per token, S = M * topk (token, k) slots.
+
+Backends of ``fused_experts`` (one module each under ``hopper_moe.backends``; the steps they
+share are in ``hopper_moe.prepare``):
+
+- ``"reference"``: ``hopper_moe.reference.fused_experts_ref`` (fp32, loop over experts).
+- ``"torch"``: PyTorch-native grouped GEMMs (``torch._grouped_mm``), the baseline.
+- ``"triton"``: one Triton grouped GEMM with SiLU*mul in GEMM1's epilogue; CUDA, or the CPU
+  under TRITON_INTERPRET=1.
+- ``"sm90"`` (also accepted as ``"cute"``): the layer around hopper_moe's SM90 grouped GEMM
+  ops; an SM90 GPU, or their CPU definitions.
+- ``"auto"``: ``oracle.choose_backend`` over ``available_backends(device)``.
+
+``register_backend`` replaces a backend's entry (tests, experiments).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import oracle
+from .backends import reference as _reference_backend
+from .backends import sm90 as _sm90_backend
+from .backends import torch as _torch_backend
+from .backends import triton as _triton_backend
+from .quant import QuantConfig
+
+__all__ = [
+    "BACKEND_ALIASES",
+    "available_backends",
+    "fused_experts",
+    "fused_moe",
+    "fused_topk",
+    "make_gemm_only",
+    "register_backend",
+]
+
+_HIDDEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_WEIGHT_DTYPES = _HIDDEN_DTYPES + (torch.float8_e4m3fn,)
+_ID_DTYPES = (torch.int32, torch.int64)
+_INDICES_TYPES = (torch.int32, torch.int64, torch.uint32)
+_BACKEND_NAMES = ("auto", "torch", "reference", "triton", "sm90")
+# Other names accepted wherever a backend name is. "cute": the SM90 backend, after CuTe, the
+# CUTLASS layer its kernels are written in (benchmarks and scripts pass this name).
+BACKEND_ALIASES = {"cute": "sm90"}
+
+
+def _fail(msg: str) -> None:
+    raise RuntimeError(msg)
+
+
+def _canonical(name):
+    return BACKEND_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+# ----------------------------------------------------------------------------- routing
+def fused_topk(
+    hidden_states: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    indices_type: Optional[torch.dtype] = None,
+    scoring_func: str = "softmax",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing of ``gating_output [M, E]`` (f32/f16/bf16 logits).
+
+    hidden_states ``[M, H]`` is only checked for its token count. Returns
+    ``(topk_weights [M, topk] f32, topk_ids [M, topk] int32 (or indices_type),
+    token_expert_indices [M, topk] int32 = k * M + t)``. Weights are the softmax (or sigmoid)
+    scores of the chosen experts, renormalized to sum to 1 per token when ``renormalize``.
+    Runs ``torch.ops.hopper_moe.topk_softmax`` / ``topk_sigmoid``.
+    """
+    if not isinstance(gating_output, torch.Tensor) or gating_output.dim() != 2:
+        _fail("gating_output must be a 2-D tensor (num_tokens, num_experts)")
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
+        _fail("hidden_states must be a tensor whose first dim is num_tokens")
+    if hidden_states.shape[0] != gating_output.shape[0]:
+        _fail(f"hidden_states and gating_output must have the same number of tokens, got "
+              f"{hidden_states.shape[0]} and {gating_output.shape[0]}")
+    if gating_output.dtype not in _HIDDEN_DTYPES:
+        _fail(f"gating_output must be float32, float16 or bfloat16, got {gating_output.dtype}")
+    num_experts = gating_output.shape[1]
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
+        _fail(f"topk must be an int in [1, num_experts = {num_experts}], got {topk!r}")
+    if scoring_func not in ("softmax", "sigmoid"):
+        _fail(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if indices_type is not None and indices_type not in _INDICES_TYPES:
+        _fail(f"indices_type must be None, torch.int32, torch.int64 or torch.uint32, got "
+              f"{indices_type}")
+    num_tokens = gating_output.shape[0]
+    device = gating_output.device
+    topk_weights = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
+    topk_ids = torch.empty(num_tokens, topk, dtype=indices_type or torch.int32, device=device)
+    token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    if scoring_func == "softmax":
+        torch.ops.hopper_moe.topk_softmax(topk_weights, topk_ids, token_expert_indices,
+                                          gating_output, renormalize, None, None)
+    else:
+        torch.ops.hopper_moe.topk_sigmoid(topk_weights, topk_ids, token_expert_indices,
+                                          gating_output, renormalize, None, 1.0, None)
+    return topk_weights, topk_ids, token_expert_indices
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_tensor(name: str, t, dim: int, device: Optional[torch.device] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        _fail(f"{name} must be {dim}-D, got {t.dim()}-D with shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name} must be on the same device as hidden_states ({device}), got {t.device}")
+
+
+def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                           apply_router_weight_on_input, global_num_experts, expert_map,
+                           quant, backend) -> int:
+    """Checks every argument of fused_experts; returns the resolved global_num_experts."""
+    if _canonical(backend) not in _BACKEND_NAMES:
+        _fail(f"backend must be one of {_BACKEND_NAMES} (or an alias in "
+              f"{tuple(BACKEND_ALIASES)}), got {backend!r}")
+    if activation != "silu":
+        _fail(f"activation must be 'silu' (the only activation implemented), got {activation!r}")
+    _check_tensor("hidden_states", hidden_states, 2)
+    device = hidden_states.device
+    _check_tensor("w1", w1, 3, device)
+    _check_tensor("w2", w2, 3, device)
+    _check_tensor("topk_weights", topk_weights, 2, device)
+    _check_tensor("topk_ids", topk_ids, 2, device)
+    if hidden_states.dtype not in _HIDDEN_DTYPES:
+        _fail(f"hidden_states must be float32, float16 or bfloat16, got {hidden_states.dtype}")
+    if hidden_states.stride(-1) != 1:
+        _fail("hidden_states must have last-dim stride 1")
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, n1, k1 = w1.shape
+    if num_experts < 1:
+        _fail("w1 must have at least one expert")
+    if k1 != hidden_size or n1 % 2 != 0 or n1 == 0:
+        _fail(f"w1 must have shape (num_experts, 2*intermediate_size, hidden_size) with "
+              f"hidden_size = {hidden_size}, got {tuple(w1.shape)}")
+    intermediate_size = n1 // 2
+    if tuple(w2.shape) != (num_experts, hidden_size, intermediate_size):
+        _fail(f"w2 must have shape (num_experts, hidden_size, intermediate_size) = "
+              f"{(num_experts, hidden_size, intermediate_size)}, got {tuple(w2.shape)}")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if w.dtype not in _WEIGHT_DTYPES:
+            _fail(f"{name} must be float32, float16, bfloat16 or float8_e4m3fn, got {w.dtype}")
+        if w.stride(-1) != 1:
+            _fail(f"{name} must be K-contiguous (last-dim stride 1)")
+    if w1.dtype != w2.dtype:
+        _fail(f"w1 and w2 must have the same dtype, got {w1.dtype} and {w2.dtype}")
+    if quant is None:
+        if w1.dtype != hidden_states.dtype:
+            _fail(f"w1 must have the dtype of hidden_states ({hidden_states.dtype}) when quant "
+                  f"is None, got {w1.dtype}")
+    else:
+        if not isinstance(quant, QuantConfig):
+            _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
+        quant.validate(w1, w2)
+    if tuple(topk_ids.shape) != tuple(topk_weights.shape):
+        _fail(f"topk_ids and topk_weights must have the same shape (num_tokens, topk), got "
+              f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.shape[0] != num_tokens:
+        _fail(f"topk_ids must have shape (num_tokens, topk) with num_tokens = {num_tokens}, got "
+              f"{tuple(topk_ids.shape)}")
+    topk = topk_ids.shape[1]
+    if topk < 1:
+        _fail("topk_ids must have at least one column (topk >= 1)")
+    if topk_ids.dtype not in _ID_DTYPES:
+        _fail(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype not in _HIDDEN_DTYPES:
+        _fail(f"topk_weights must be float32, float16 or bfloat16, got {topk_weights.dtype}")
+    if apply_router_weight_on_input and topk != 1:
+        _fail(f"apply_router_weight_on_input requires topk == 1, got topk = {topk}")
+    if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
+        _fail(f"global_num_experts must be an int, got {global_num_experts!r}")
+    if expert_map is not None:
+        _check_tensor("expert_map", expert_map, 1, device)
+        if expert_map.dtype not in _ID_DTYPES:
+            _fail(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+        if global_num_experts == -1:
+            global_num_experts = expert_map.shape[0]
+        if expert_map.shape[0] != global_num_experts:
+            _fail(f"expert_map must have global_num_experts = {global_num_experts} entries, got "
+                  f"{expert_map.shape[0]}")
+    else:
+        if global_num_experts == -1:
+            global_num_experts = num_experts
+        if global_num_experts != num_experts:
+            _fail(f"global_num_experts must be -1 or num_experts = {num_experts} when "
+                  f"expert_map is None, got {global_num_experts}")
+    if global_num_experts < 1:
+        _fail(f"global_num_experts must be >= 1, got {global_num_experts}")
+    return global_num_experts
+
+
+# ----------------------------------------------------------------------------- backends
+@dataclass(frozen=True)
+class _Backend:
+    run: Callable[..., torch.Tensor]
+    is_available: Callable[[str], bool]
+    make_gemm_only: Optional[Callable[..., Callable[[], object]]] = None
+
+
+_BACKENDS: dict[str, _Backend] = {
+    "torch": _Backend(_torch_backend.run, _torch_backend.is_available),
+    "reference": _Backend(_reference_backend.run, _reference_backend.is_available),
+    "triton": _Backend(_triton_backend.run, _triton_backend.is_available),
+    "sm90": _Backend(_sm90_backend.run, _sm90_backend.is_available,
+                     _sm90_backend.make_gemm_only),
+}
+
+
+def make_gemm_only(backend: str, hidden_states: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   quant: Optional[QuantConfig] = None) -> Callable[[], object]:
+    """For GEMM-only benchmarks: a zero-argument callable running GEMM1 + GEMM2 of `backend`
+    on operands prepared once. Backends without one raise NotImplementedError."""
+    entry = _BACKENDS.get(_canonical(backend))
+    if entry is None or entry.make_gemm_only is None:
+        raise NotImplementedError(f"no GEMM-only entry for backend {backend!r}")
+    return entry.make_gemm_only(hidden_states, w1, w2, topk_weights, topk_ids, quant)
+
+
+def register_backend(name: str, run: Callable[..., torch.Tensor],
+                     is_available: Callable[[str], bool],
+                     make_gemm_only: Optional[Callable[..., Callable[[], object]]] = None
+                     ) -> None:
+    """Makes ``backend=name`` runnable (an alias names the backend it stands for).
+    ``run(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input,
+    global_num_experts, expert_map, quant)`` gets validated arguments with M > 0 and
+    global_num_experts resolved; ``is_available(device_type)``; ``make_gemm_only`` as
+    ``hopper_moe.backends.sm90.make_gemm_only``."""
+    name = _canonical(name)
+    if name not in _BACKEND_NAMES or name == "auto":
+        _fail(f"backend name must be one of {_BACKEND_NAMES[1:]} (or an alias in "
+              f"{tuple(BACKEND_ALIASES)}), got {name!r}")
+    _BACKENDS[name] = _Backend(run, is_available, make_gemm_only)
+
+
+def available_backends(device) -> list[str]:
+    """Names of the fused_experts backends that can run on ``device`` in this build."""
+    device_type = device if isinstance(device, str) else device.type
+    device_type = device_type.split(":")[0]
+    return [name for name, b in _BACKENDS.items() if b.is_available(device_type)]
+
+
+# ----------------------------------------------------------------------------- layer API
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    global_num_experts: int = -1,
+    expert_map: Optional[torch.Tensor] = None,
+    *,
+    quant: Optional[QuantConfig] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The experts of an MoE layer: ``out[t] = sum_k w[t,k] * expert_{id[t,k]}(x_t)``.
+
+    Args:
+        hidden_states: ``[M, H]`` float32 / float16 / bfloat16, last-dim stride 1.
+        w1: ``[E, 2I, H]`` gate rows then up rows, K-contiguous; hidden_states' dtype, or
+            float8_e4m3fn with ``quant``.
+        w2: ``[E, H, I]``, K-contiguous, the dtype of w1.
+        topk_weights: ``[M, topk]`` f32 (f16/bf16 accepted) routing weights.
+        topk_ids: ``[M, topk]`` int32/int64 global expert ids. A slot counts only if
+            0 <= id < global_num_experts and (with expert_map) expert_map[id] is a local
+            expert in [0, E); other slots contribute zero.
+        activation: "silu" (SiLU(gate) * up).
+        apply_router_weight_on_input: multiply the input row by its weight before GEMM1
+            instead of the output (requires topk == 1).
+        global_num_experts: number of global experts (-1: expert_map's length, else E).
+        expert_map: ``[global_num_experts]`` int32/int64, global id -> local id or -1.
+        quant: FP8 scheme and scales (``hopper_moe.QuantConfig``); None = unquantized.
+        backend: "auto", "torch", "reference", "triton" or "sm90" (alias "cute"; module
+            docstring).
+
+    Returns:
+        ``[M, H]`` in hidden_states' dtype, accumulated over k in fp32.
+
+    Raises:
+        RuntimeError naming the argument and the rule for any invalid argument, or when the
+        requested backend is not available in this build.
+    """
+    global_num_experts = _validate_experts_args(
+        hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+        global_num_experts, expert_map, quant, backend)
+    device_type = hidden_states.device.type
+    name = _canonical(backend)
+    if name == "auto":
+        scheme = "bf16" if quant is None else quant.scheme
+        name = _canonical(oracle.choose_backend(device_type, scheme, hidden_states.shape[0],
+                                                available_backends(device_type)))
+    elif name not in _BACKENDS or not _BACKENDS[name].is_available(device_type):
+        _fail(f"backend {backend!r} is not available in this build for device "
+              f"{device_type!r} (available: {available_backends(device_type)})")
+    if hidden_states.shape[0] == 0:
+        return hidden_states.new_empty((0, hidden_states.shape[1]))
+    return _BACKENDS[name].run(hidden_states, w1, w2, topk_weights, topk_ids,
+                                  apply_router_weight_on_input, global_num_experts, expert_map,
+                                  quant)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    global_num_experts: int = -1,
+    expert_map: Optional[torch.Tensor] = None,
+    *,
+    quant: Optional[QuantConfig] = None,
+    backend: str = "auto",
+    scoring_func: str = "softmax",
+) -> torch.Tensor:
+    """Routing + experts: ``fused_topk(hidden_states, gating_output [M, E_global], topk,
+    renormalize, scoring_func=scoring_func)`` then ``fused_experts`` with the rest of the
+    arguments. Returns ``[M, H]`` in hidden_states' dtype."""
+    # The router scores every global expert: a narrower or wider gating_output would route
+    # to experts that do not exist (silently dropped) or never route to some that do.
+    num_global = w1.shape[0] if global_num_experts == -1 else global_num_experts
+    if isinstance(gating_output, torch.Tensor) and gating_output.dim() == 2 and \
+            isinstance(w1, torch.Tensor) and w1.dim() == 3 and \
+            gating_output.shape[1] != num_global:
+        _fail(f"gating_output.size(1) must be the number of experts "
+              f"({'w1.size(0)' if global_num_experts == -1 else 'global_num_experts'} = "
+              f"{num_global}), got {gating_output.shape[1]}")
+    topk_weights, topk_ids, _ = fused_topk(hidden_states, gating_output, topk, renormalize,
+                                           scoring_func=scoring_func)
+    return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                         apply_router_weight_on_input, global_num_experts, expert_map,
+                         quant=quant, backend=backend)
