@@ -1,0 +1,146 @@
+"""Host cost of an eager fused_experts call: the CPU time from the call to its return (the
+kernels enqueued, not run), per backend, scheme and shape, at small token counts; and the
+time of `import hopper_moe` in a fresh interpreter.
+
+Per row: `calls` eager calls back to back after a warm-up (so every kernel is compiled and
+every cache filled), timed with time.perf_counter around each call alone; the GPU is
+synchronized every `sync_every` calls outside the timed region so the launch queue never
+fills (a full queue would make enqueueing wait for the GPU). Reports the median and p90 per
+call, and the device time of one call (CUDA events, median) next to it: a layer whose host
+cost exceeds its device time cannot keep the GPU busy in eager mode.
+
+    python benchmarks/bench_host.py [--shapes qwen3_30b,mixtral] [--dtypes bf16,fp8_tensor]
+        [--backends sm90,triton,torch] [--m 1] [--calls 300] [--out DIR] [--tag host]
+
+Results: <out>/<gpu>_<tag>.md. Needs a CUDA device; without one it says so and exits 0.
+Benchmarks never assert.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+
+def import_seconds(repeats: int = 3) -> list[float]:
+    """Wall time of `import hopper_moe` in fresh interpreters (torch included, as a user pays
+    it), and of `import torch` alone for comparison."""
+    code = "import time; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
+    out = []
+    for module in ("torch", "hopper_moe"):
+        for _ in range(repeats):
+            r = subprocess.run([sys.executable, "-c", code.format(m=module)],
+                               capture_output=True, text=True, env=os.environ.copy())
+            out.append((module, float(r.stdout.strip() or "nan")))
+    return out
+
+
+def host_us_per_call(fn, calls: int, sync_every: int = 20) -> tuple[float, float]:
+    samples = []
+    for i in range(calls):
+        if i % sync_every == 0:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    samples.sort()
+    return statistics.median(samples), samples[int(0.9 * (len(samples) - 1))]
+
+
+def device_us_per_call(fn, iters: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="qwen3_30b,mixtral")
+    p.add_argument("--dtypes", default="bf16,fp8_tensor")
+    p.add_argument("--backends", default="sm90,triton,torch")
+    p.add_argument("--m", default="1")
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"))
+    p.add_argument("--tag", default="host")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("NO GPU FOUND: the host cost of a CUDA launch needs a CUDA device")
+        return 0
+    imports = import_seconds()
+    hm, err = C.import_hopper_moe()
+    if hm is None:
+        print(f"hopper_moe does not import: {err}")
+        return 0
+    from hopper_moe.quant import make_quant_config
+
+    dev = torch.device("cuda")
+    rows = []
+    for shape_name in C.parse_list(args.shapes):
+        shape = C.SHAPES[shape_name]
+        w1, w2 = C.make_weights(shape, dev, seed=0)
+        for scheme in C.parse_list(args.dtypes):
+            if scheme == "bf16":
+                w1q, w2q, quant = w1, w2, None
+            else:
+                w1q, w2q, quant = make_quant_config(w1, w2, scheme)
+            for m in C.parse_list(args.m, int):
+                x = C.make_hidden(m, shape.hidden_size, dev, seed=1)
+                _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, dev, seed=2)
+                for backend in C.parse_list(args.backends):
+                    def call():
+                        return hm.fused_experts(x, w1q, w2q, tw, ti, quant=quant,
+                                                backend=backend)
+                    try:
+                        for _ in range(5):
+                            call()
+                        torch.cuda.synchronize()
+                        med, p90 = host_us_per_call(call, args.calls)
+                        gpu = device_us_per_call(call)
+                        rows.append((shape_name, scheme, m, backend, med, p90, gpu, ""))
+                    except Exception as exc:  # noqa: BLE001  (a row says why it is missing)
+                        rows.append((shape_name, scheme, m, backend, None, None, None,
+                                     C.short_error(exc)))
+                    print(C.fmt(rows[-1][4]), "us host", rows[-1][:4], flush=True)
+        del w1, w2
+    env = C.collect_env(dev)
+    lines = [f"# hopper_moe host cost per eager call: {env.get('gpu', dev)}", "",
+             "```", C.command_line(), "```", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", "`import` in a fresh interpreter, wall s: " + ", ".join(
+        f"{mod} {sec:.2f}" for mod, sec in imports), "",
+        f"{args.calls} eager calls per row after 5 warm-up calls; host µs = perf_counter "
+        "around one call (the GPU synchronized every 20 calls, outside the timed region); "
+        "device µs = CUDA events around one call, median of 50.", "",
+        "| shape | dtype | M | backend | host µs median | host µs p90 | device µs | note |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {C.fmt(r[4])} | {C.fmt(r[5])} | "
+                     f"{C.fmt(r[6])} | {r[7]} |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{C.gpu_slug(torch.cuda.get_device_name())}_{args.tag}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
+    print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
