@@ -19,6 +19,7 @@ with their own torch._grouped_mm pair.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -64,7 +65,18 @@ _CPU_GROUPED_MM_DTYPES = _probe_cpu_grouped_mm()
 _FORCE_LOOP_GEMM = False  # tests set this to exercise the per-expert loop fallback
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without importing torch._dynamo at import time
+    (about 2 s of `import hopper_moe`): that decorator only marks the function, and Dynamo
+    reads the mark when it traces a call. Once torch._dynamo is loaded the public decorator
+    is used; tests/test_compile.py compiles the layer that calls the marked function."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _cuda_capability(index: int) -> int:
     major, minor = torch.cuda.get_device_capability(index)
     return major * 10 + minor
