@@ -6,8 +6,9 @@ Per row: `calls` eager calls back to back after a warm-up (so every kernel is co
 every cache filled), timed with time.perf_counter around each call alone; the GPU is
 synchronized every `sync_every` calls outside the timed region so the launch queue never
 fills (a full queue would make enqueueing wait for the GPU). Reports the median and p90 per
-call, and the device time of one call (CUDA events, median) next to it: a layer whose host
-cost exceeds its device time cannot keep the GPU busy in eager mode.
+call, and the span of CUDA events recorded before and after one eager call (median): where
+the host is slower than the kernels, the GPU waits for each launch and this span is about
+the host time, not the kernels' time (graph-replayed kernel times: bench_moe.py).
 
     python benchmarks/bench_host.py [--shapes qwen3_30b,mixtral] [--dtypes bf16,fp8_tensor]
         [--backends sm90,triton,torch] [--m 1] [--calls 300] [--out DIR] [--tag host]
@@ -126,8 +127,9 @@ def main(argv=None) -> int:
         f"{mod} {sec:.2f}" for mod, sec in imports), "",
         f"{args.calls} eager calls per row after 5 warm-up calls; host µs = perf_counter "
         "around one call (the GPU synchronized every 20 calls, outside the timed region); "
-        "device µs = CUDA events around one call, median of 50.", "",
-        "| shape | dtype | M | backend | host µs median | host µs p90 | device µs | note |",
+        "event span µs = CUDA events recorded around one eager call, median of 50 (a host-bound "
+        "call shows about its host time there).", "",
+        "| shape | dtype | M | backend | host µs median | host µs p90 | event span µs | note |",
         "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {C.fmt(r[4])} | {C.fmt(r[5])} | "

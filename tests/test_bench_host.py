@@ -32,4 +32,4 @@ def test_rows_have_host_and_device_times(tmp_path):
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[4]) > 0 and float(cells[6]) > 0, row
+        assert float(cells[4]) > 0 and float(cells[6]) > 0, row  # host, event span
