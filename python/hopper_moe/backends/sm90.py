@@ -11,10 +11,7 @@ their readable definitions on the CPU, so the composition is tested in CI. On CU
 and moe_unpermute are programmatic dependent launches: each starts while the kernel before it
 drains, the GEMMs streaming their first weight tiles before their input is complete. Where
 GEMM1 writes GEMM2's input itself (bf16, static a2 scale) the two are one call
-(moe_grouped_gemm_chain), whose kernels chain with HOPPER_MOE_CUTE_CHAIN=1: GEMM2 then
-starts on each expert's rows once GEMM1 has written them. Chaining is off by default: the
-fill of its per-expert counters before GEMM1 costs the layer more than GEMM2's early start
-gains.
+(moe_grouped_gemm_chain: two dependent launches).
 Schemes: bf16 (fp16/fp32 inputs run in bf16), FP8 e4m3 per-tensor (static or dynamic
 activation scales) and per-token activations x per-channel weights. Block-wise [128,128] FP8
 is not in the kernel yet: ``backend="triton"`` runs it.
@@ -150,8 +147,8 @@ def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
                  a2_scale):
     """GEMM1 with SiLU*mul (and GEMM2's input quantization), then GEMM2 into y [S, H].
     a2_scale: prepare.gemm1_epilogue_scale(quant). Where GEMM1 writes GEMM2's input itself
-    (bf16, a static a2 scale) the two are one moe_grouped_gemm_chain call (chained kernels
-    with HOPPER_MOE_CUTE_CHAIN=1). Returns GEMM2's input."""
+    (bf16, a static a2 scale) the two are one moe_grouped_gemm_chain call. Returns GEMM2's
+    input."""
     w2g, w2_scale = _gemm2_weights(w2, quant)
     h = _gemm1_output(a1, w1g, quant)
     if prepare.gemm1_writes_gemm2_input(quant):
