@@ -57,7 +57,8 @@ def host_us_per_call(fn, calls: int, sync_every: int = 20) -> tuple[float, float
     return statistics.median(samples), samples[int(0.9 * (len(samples) - 1))]
 
 
-def device_us_per_call(fn, iters: int = 50) -> float:
+def event_span_us(fn, iters: int = 50) -> float:
+    """Median span of CUDA events recorded before and after one eager call."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
@@ -112,8 +113,8 @@ def main(argv=None) -> int:
                             call()
                         torch.cuda.synchronize()
                         med, p90 = host_us_per_call(call, args.calls)
-                        gpu = device_us_per_call(call)
-                        rows.append((shape_name, scheme, m, backend, med, p90, gpu, ""))
+                        span = event_span_us(call)
+                        rows.append((shape_name, scheme, m, backend, med, p90, span, ""))
                     except Exception as exc:  # noqa: BLE001  (a row says why it is missing)
                         rows.append((shape_name, scheme, m, backend, None, None, None,
                                      C.short_error(exc)))
