@@ -31,16 +31,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 
-def import_seconds(repeats: int = 3) -> list[float]:
-    """Wall time of `import hopper_moe` in fresh interpreters (torch included, as a user pays
-    it), and of `import torch` alone for comparison."""
-    code = "import time; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
+def import_seconds(repeats: int = 3) -> list[tuple[str, float]]:
+    """Wall time of imports in fresh interpreters: `import torch` alone, `import hopper_moe`
+    (torch included, as a user pays it) and `import hopper_moe` in an interpreter that has
+    already imported torch (hopper_moe's own share)."""
+    timed = "import time; t = time.perf_counter(); import {m}; print(time.perf_counter() - t)"
+    codes = {"torch": timed.format(m="torch"), "hopper_moe": timed.format(m="hopper_moe"),
+             "hopper_moe after torch": "import torch; " + timed.format(m="hopper_moe")}
     out = []
-    for module in ("torch", "hopper_moe"):
+    for label, code in codes.items():
         for _ in range(repeats):
-            r = subprocess.run([sys.executable, "-c", code.format(m=module)],
-                               capture_output=True, text=True, env=os.environ.copy())
-            out.append((module, float(r.stdout.strip() or "nan")))
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               env=os.environ.copy())
+            out.append((label, float(r.stdout.strip() or "nan")))
     return out
 
 
@@ -55,6 +58,26 @@ def host_us_per_call(fn, calls: int, sync_every: int = 20) -> tuple[float, float
     torch.cuda.synchronize()
     samples.sort()
     return statistics.median(samples), samples[int(0.9 * (len(samples) - 1))]
+
+
+def profile_calls(fn, calls: int, top: int = 25) -> str:
+    """cProfile of `calls` eager calls: the `top` functions by own time (µs per call)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for i in range(calls):
+        if i % 20 == 0:
+            torch.cuda.synchronize()
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 def event_span_us(fn, iters: int = 50) -> float:
@@ -80,6 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="host")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each row's calls with cProfile: the top functions by "
+                        "own time go to <out>/<gpu>_<tag>_profile.txt")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("NO GPU FOUND: the host cost of a CUDA launch needs a CUDA device")
@@ -93,6 +119,7 @@ def main(argv=None) -> int:
 
     dev = torch.device("cuda")
     rows = []
+    profiles: list[tuple[str, str]] = []
     for shape_name in C.parse_list(args.shapes):
         shape = C.SHAPES[shape_name]
         w1, w2 = C.make_weights(shape, dev, seed=0)
@@ -114,6 +141,9 @@ def main(argv=None) -> int:
                         torch.cuda.synchronize()
                         med, p90 = host_us_per_call(call, args.calls)
                         span = event_span_us(call)
+                        if args.profile:
+                            profiles.append((f"{shape_name} {scheme} M={m} {backend}",
+                                             profile_calls(call, args.calls)))
                         rows.append((shape_name, scheme, m, backend, med, p90, span, ""))
                     except Exception as exc:  # noqa: BLE001  (a row says why it is missing)
                         rows.append((shape_name, scheme, m, backend, None, None, None,
@@ -142,6 +172,12 @@ def main(argv=None) -> int:
         f.write(text)
     print(text)
     print(f"# wrote {path}")
+    if profiles:
+        ppath = path[:-3] + "_profile.txt"
+        with open(ppath, "w") as f:
+            for title, stats in profiles:
+                f.write(f"## {title}\n{stats}\n")
+        print(f"# wrote {ppath}")
     return 0
 
 

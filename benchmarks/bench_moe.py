@@ -548,7 +548,12 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
 
     def fn():
         return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)
-    return fn, ""
+    how = ""
+    explain = getattr(lib.hm, "explain_backend", None)
+    if backend == "auto" and explain is not None:
+        how = "auto: " + explain(x.shape[0], w1, w2, ti.shape[1], quant=quant,
+                                 dtype=x.dtype).backend
+    return fn, how
 
 
 def copy_fn_builder(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool

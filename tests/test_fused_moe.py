@@ -545,11 +545,13 @@ def test_api_module_and_backend_alias():
         run(p, backend="cutlass")
 
 def test_oracle_choose_backend():
-    table = {("cuda", "bf16"): ((64, ("cute", "torch")), (None, ("triton", "torch")))}
+    table = {("cuda", "bf16"): ((64, ("sm90", "torch")), (None, ("triton", "torch")))}
     choose = oracle.choose_backend
-    assert choose("cuda", "bf16", 1, ["torch", "cute"], table) == "cute"
-    assert choose("cuda", "bf16", 64, ["torch", "cute"], table) == "cute"
-    assert choose("cuda", "bf16", 65, ["torch", "cute"], table) == "torch"
+    assert choose("cuda", "bf16", 1, ["torch", "sm90"], table) == "sm90"
+    assert choose("cuda", "bf16", 64, ["torch", "sm90"], table) == "sm90"
+    # Past M = 64 the row prefers triton, then torch; torch never runs on CUDA while a GPU
+    # backend can: sm90 it is.
+    assert choose("cuda", "bf16", 65, ["torch", "sm90"], table) == "sm90"
     assert choose("cuda", "bf16", 65, ["torch", "triton"], table) == "triton"
     assert choose(torch.device("cuda", 0), "bf16", 3, ["torch"], table) == "torch"
     assert choose("cuda:1", "fp8_block", 3, ["reference", "torch"], table) == "torch"
@@ -560,9 +562,10 @@ def test_oracle_choose_backend():
         for dev in ("cpu", "cuda"):
             for m in (1, 64, 4096):
                 assert choose(dev, scheme, m, ["torch", "reference"]) == "torch"
-                # The measured H200 rows (oracle's docstring): Triton on CUDA except block FP8.
-                want = "triton" if dev == "cuda" and scheme != "fp8_block" else "torch"
-                assert choose(dev, scheme, m, ["torch", "reference", "triton", "cute"]) == want
+                # Static rules: Triton on CUDA for every scheme (block FP8 included), torch on
+                # the CPU.
+                want = "triton" if dev == "cuda" else "torch"
+                assert choose(dev, scheme, m, ["torch", "reference", "triton", "sm90"]) == want
 
 
 # -------------------------------------------------------------------------- QuantConfig / helpers

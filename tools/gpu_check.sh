@@ -3,7 +3,7 @@
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
 #   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|stages|tune|sanitize|cmake ...]
-#   (default: build test bench sanitize cmake)
+#   [host|warmup|oracle ...]   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hopper_moe_out}
@@ -46,6 +46,25 @@ for step in $steps; do
       python3 benchmarks/bench_moe.py ${BENCH_ARGS:---shapes ${BENCH_SHAPES:-mixtral,qwen3_30b} --plot} \
         --out $res 2>&1 | tee "$OUT/bench_moe.log" | tail -60
       tar czf "$OUT/results.tgz" -C $res . ;;
+    host)
+      # Host cost per eager call and import times (benchmarks/bench_host.py); HOST_ARGS
+      # replaces its arguments.
+      python3 benchmarks/bench_host.py ${HOST_ARGS:---shapes qwen3_30b --dtypes bf16,fp8_tensor --profile} \
+        --out "$OUT" 2>&1 | tail -40 ;;
+    warmup)
+      # After hopper_moe.warmup: compilations and first-call latency over random token counts
+      # (benchmarks/bench_warmup.py); WARMUP_ARGS replaces its arguments.
+      python3 benchmarks/bench_warmup.py ${WARMUP_ARGS:---shape qwen3_30b} --out "$OUT" 2>&1 | tail -30 ;;
+    oracle)
+      # The measured backend table of this GPU (python -m hopper_moe.oracle --measure) into
+      # $OUT, then bench_moe with "auto" reading it (HOPPER_MOE_CONFIG_DIR=$OUT) beside every
+      # backend; ORACLE_ARGS / CHECK_ARGS replace their arguments.
+      python3 -m hopper_moe.oracle --measure ${ORACLE_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/oracle.log" | tail -5
+      res=/tmp/hopper_moe_auto; rm -rf $res; mkdir -p $res
+      HOPPER_MOE_CONFIG_DIR="$OUT" python3 benchmarks/bench_moe.py ${CHECK_ARGS:---shapes mixtral,qwen3_30b,deepseek_v3_tp8 --dtypes bf16,fp8_tensor,fp8_channel,fp8_block --m 1,4,16,64,256,1024,4096 --backends torch,triton,cute,auto --iters 50} \
+        --out $res --tag auto_check 2>&1 | tail -5
+      python3 tools/auto_check.py $res/*auto_check.json | tee "$OUT/auto_check.md" | tail -15
+      cp $res/*auto_check.md "$OUT/" ;;
     stages)
       # The Triton layer stage by stage, replay by replay (benchmarks/bench_stages.py);
       # STAGES_ARGS replaces its arguments.

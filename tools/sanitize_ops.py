@@ -2,6 +2,8 @@
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tools/sanitize_ops.py
     ... python tools/sanitize_ops.py --gemm     (only the grouped GEMM and the cute layer)
+    ... python tools/sanitize_ops.py --layer    (only the whole layer: every GPU backend x
+                                                 every scheme, edge-case routings)
 
 Every allocation is exact-size (no caching allocator), so an access one element past a buffer
 is caught. Shapes: 0, 1 and 3 tokens, a tile +- 1, experts with no tokens, all tokens on one
@@ -122,7 +124,46 @@ def gemm_ops(counts, n, k, config=""):
     torch.cuda.synchronize()
 
 
+def whole_layers():
+    """fused_experts on every GPU backend that runs each scheme (torch, triton, sm90 where it
+    supports it), with 1 and 3 tokens (ids out of range), an expert_map with -1 and
+    out-of-local entries, one hot expert and 300 tokens; out= given for half of them."""
+    from hopper_moe import api
+    from hopper_moe.quant import make_quant_config
+
+    schemes = [("bf16", {}), ("fp8_tensor", {}), ("fp8_tensor", dict(static_act=True)),
+               ("fp8_channel", {}), ("fp8_block", {})]
+    emap = torch.tensor([0, -1, 1, 5, 2, -1, 3, 9], dtype=torch.int32, device=dev)
+    cases = [dict(T=1, E=8, K=2), dict(T=3, E=8, K=3, bad=True),
+             dict(T=17, E=8, K=2, expert_map=emap), dict(T=300, E=8, K=2, hot=True)]
+    H, I = 256, 384
+    for scheme, kw in schemes:
+        for c in cases:
+            e_local = 4 if "expert_map" in c else c["E"]
+            w1 = randn(e_local, 2 * I, H) / 16
+            w2 = randn(e_local, H, I) / 16
+            w1q, w2q, quant = make_quant_config(w1, w2, scheme, **kw)
+            x = randn(c["T"], H)
+            w, ids = routing(c["T"], c["E"], c["K"], bad_ids=c.get("bad", False),
+                             one_expert=c.get("hot", False))
+            for backend in ("torch", "triton", "sm90"):
+                if backend not in api.available_backends("cuda") or not \
+                        api._BACKENDS[backend].supports(x.device, x.dtype, w1q, w2q, quant):
+                    continue
+                out = torch.empty_like(x) if backend != "torch" and c["T"] % 2 else None
+                hopper_moe.fused_experts(x, w1q, w2q, w, ids, global_num_experts=c["E"],
+                                         expert_map=c.get("expert_map"), quant=quant,
+                                         backend=backend, out=out)
+                torch.cuda.synchronize()
+                print("ok layer", backend, scheme, kw or "", {k: v for k, v in c.items()
+                                                             if k != "expert_map"},
+                      "expert_map" if "expert_map" in c else "", flush=True)
+
+
 def main():
+    if "--layer" in sys.argv[1:]:
+        whole_layers()
+        return
     cases = [
         dict(T=0, E=8, K=2, H=128, I=64),
         dict(T=1, E=8, K=2, H=128, I=64),

@@ -19,12 +19,14 @@ share are in ``hopper_moe.prepare``):
   under TRITON_INTERPRET=1.
 - ``"sm90"`` (also accepted as ``"cute"``): the layer around hopper_moe's SM90 grouped GEMM
   ops; an SM90 GPU, or their CPU definitions.
-- ``"auto"``: ``oracle.choose_backend`` over ``available_backends(device)``.
+- ``"auto"``: ``oracle.choose`` (measured tables, else static rules) over the available
+  backends that support the call; ``explain_backend`` says what it picks and why.
 
 ``register_backend`` replaces a backend's entry (tests, experiments).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,6 +42,7 @@ from .quant import QuantConfig
 __all__ = [
     "BACKEND_ALIASES",
     "available_backends",
+    "explain_backend",
     "fused_experts",
     "fused_moe",
     "fused_topk",
@@ -206,19 +209,28 @@ def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activa
 
 
 # ----------------------------------------------------------------------------- backends
+def _supports_all(device, dtype, w1, w2, quant) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class _Backend:
     run: Callable[..., torch.Tensor]
     is_available: Callable[[str], bool]
     make_gemm_only: Optional[Callable[..., Callable[[], object]]] = None
+    # run(..., out=tensor) writes the result into it (else fused_experts copies it there).
+    writes_out: bool = False
+    # supports(device, dtype, w1, w2, quant): can it run this layer (asked by "auto" only)?
+    supports: Callable[..., bool] = _supports_all
 
 
 _BACKENDS: dict[str, _Backend] = {
     "torch": _Backend(_torch_backend.run, _torch_backend.is_available),
     "reference": _Backend(_reference_backend.run, _reference_backend.is_available),
-    "triton": _Backend(_triton_backend.run, _triton_backend.is_available),
+    "triton": _Backend(_triton_backend.run, _triton_backend.is_available, writes_out=True),
     "sm90": _Backend(_sm90_backend.run, _sm90_backend.is_available,
-                     _sm90_backend.make_gemm_only),
+                     _sm90_backend.make_gemm_only, writes_out=True,
+                     supports=_sm90_backend.supports),
 }
 
 
@@ -235,18 +247,21 @@ def make_gemm_only(backend: str, hidden_states: torch.Tensor, w1: torch.Tensor,
 
 def register_backend(name: str, run: Callable[..., torch.Tensor],
                      is_available: Callable[[str], bool],
-                     make_gemm_only: Optional[Callable[..., Callable[[], object]]] = None
-                     ) -> None:
+                     make_gemm_only: Optional[Callable[..., Callable[[], object]]] = None,
+                     supports: Callable[..., bool] = _supports_all) -> None:
     """Makes ``backend=name`` runnable (an alias names the backend it stands for).
     ``run(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input,
     global_num_experts, expert_map, quant)`` gets validated arguments with M > 0 and
     global_num_experts resolved; ``is_available(device_type)``; ``make_gemm_only`` as
-    ``hopper_moe.backends.sm90.make_gemm_only``."""
+    ``hopper_moe.backends.sm90.make_gemm_only``; ``supports(device, dtype, w1, w2, quant)``
+    whether it runs that layer (``auto`` asks)."""
     name = _canonical(name)
     if name not in _BACKEND_NAMES or name == "auto":
         _fail(f"backend name must be one of {_BACKEND_NAMES[1:]} (or an alias in "
               f"{tuple(BACKEND_ALIASES)}), got {name!r}")
-    _BACKENDS[name] = _Backend(run, is_available, make_gemm_only)
+    _BACKENDS[name] = _Backend(run, is_available, make_gemm_only, supports=supports)
+    _AVAILABLE.clear()
+    _choice.cache_clear()
 
 
 def available_backends(device) -> list[str]:
@@ -254,6 +269,63 @@ def available_backends(device) -> list[str]:
     device_type = device if isinstance(device, str) else device.type
     device_type = device_type.split(":")[0]
     return [name for name, b in _BACKENDS.items() if b.is_available(device_type)]
+
+
+# Per device type: available_backends, asked once (availability is fixed for the process;
+# register_backend clears it).
+_AVAILABLE: dict[str, tuple[str, ...]] = {}
+_DEVICE_NAMES: dict[int, str] = {}
+
+
+def _available(device_type: str) -> tuple[str, ...]:
+    names = _AVAILABLE.get(device_type)
+    if names is None:
+        names = _AVAILABLE[device_type] = tuple(available_backends(device_type))
+    return names
+
+
+def _device_name(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(index)
+    if name is None:
+        name = _DEVICE_NAMES[index] = torch.cuda.get_device_name(index)
+    return name
+
+
+@functools.lru_cache(maxsize=4096)
+def _choice(device_type: str, device_name: Optional[str], scheme: str, num_tokens: int,
+            supported: tuple[str, ...], shape: oracle.LayerShape) -> oracle.Choice:
+    measured = oracle.load_measured(device_name) if device_name is not None else None
+    return oracle.choose(device_type, scheme, num_tokens, supported, shape, measured)
+
+
+def _auto_choice(device: torch.device, dtype: torch.dtype, num_tokens: int, w1, w2,
+                 top_k: int, quant) -> oracle.Choice:
+    supported = tuple(n for n in _available(device.type)
+                      if _BACKENDS[n].supports(device, dtype, w1, w2, quant))
+    scheme = "bf16" if quant is None else quant.scheme
+    shape = (w1.shape[0], top_k, w1.shape[2], w2.shape[2])
+    return _choice(device.type, _device_name(device), scheme, num_tokens, supported, shape)
+
+
+def explain_backend(num_tokens: int, w1: torch.Tensor, w2: torch.Tensor, top_k: int, *,
+                    quant: Optional[QuantConfig] = None,
+                    dtype: torch.dtype = torch.bfloat16) -> oracle.Choice:
+    """What ``fused_experts(backend="auto")`` runs for ``num_tokens`` tokens of ``dtype``
+    routed ``top_k`` ways through experts w1 ``[E, 2I, H]`` / w2 ``[E, H, I]`` (on their
+    device), and why: ``choice.backend``, ``choice.source`` ("measured" or "static") and
+    ``choice.reason`` (the table row and its times, or the rule); ``print(choice)`` reads as
+    one line."""
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or \
+            not isinstance(w2, torch.Tensor) or w2.dim() != 3:
+        _fail("w1 and w2 must be 3-D tensors [E, 2I, H] and [E, H, I]")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        _fail(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        _fail(f"top_k must be an int >= 1, got {top_k!r}")
+    return _auto_choice(w1.device, dtype, num_tokens, w1, w2, top_k, quant)
 
 
 # ----------------------------------------------------------------------------- layer API
@@ -270,6 +342,7 @@ def fused_experts(
     *,
     quant: Optional[QuantConfig] = None,
     backend: str = "auto",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The experts of an MoE layer: ``out[t] = sum_k w[t,k] * expert_{id[t,k]}(x_t)``.
 
@@ -290,9 +363,12 @@ def fused_experts(
         quant: FP8 scheme and scales (``hopper_moe.QuantConfig``); None = unquantized.
         backend: "auto", "torch", "reference", "triton" or "sm90" (alias "cute"; module
             docstring).
+        out: optional ``[M, H]`` tensor of hidden_states' dtype and device, last-dim stride
+            1, sharing no memory with the other arguments: the result is written into it
+            (the "triton" and "sm90" backends write it there directly, the others copy).
 
     Returns:
-        ``[M, H]`` in hidden_states' dtype, accumulated over k in fp32.
+        ``[M, H]`` in hidden_states' dtype, accumulated over k in fp32 (``out`` when given).
 
     Raises:
         RuntimeError naming the argument and the rule for any invalid argument, or when the
@@ -304,17 +380,60 @@ def fused_experts(
     device_type = hidden_states.device.type
     name = _canonical(backend)
     if name == "auto":
-        scheme = "bf16" if quant is None else quant.scheme
-        name = _canonical(oracle.choose_backend(device_type, scheme, hidden_states.shape[0],
-                                                available_backends(device_type)))
+        name = _auto_choice(hidden_states.device, hidden_states.dtype, hidden_states.shape[0],
+                            w1, w2, topk_ids.shape[1], quant).backend
     elif name not in _BACKENDS or not _BACKENDS[name].is_available(device_type):
         _fail(f"backend {backend!r} is not available in this build for device "
               f"{device_type!r} (available: {available_backends(device_type)})")
+    if out is not None:
+        _check_out(out, hidden_states, (w1, w2, topk_weights, topk_ids, expert_map, quant))
     if hidden_states.shape[0] == 0:
-        return hidden_states.new_empty((0, hidden_states.shape[1]))
-    return _BACKENDS[name].run(hidden_states, w1, w2, topk_weights, topk_ids,
-                                  apply_router_weight_on_input, global_num_experts, expert_map,
-                                  quant)
+        return hidden_states.new_empty((0, hidden_states.shape[1])) if out is None else out
+    entry = _BACKENDS[name]
+    if out is not None and entry.writes_out:
+        return entry.run(hidden_states, w1, w2, topk_weights, topk_ids,
+                         apply_router_weight_on_input, global_num_experts, expert_map, quant,
+                         out=out)
+    result = entry.run(hidden_states, w1, w2, topk_weights, topk_ids,
+                       apply_router_weight_on_input, global_num_experts, expert_map, quant)
+    return result if out is None else out.copy_(result)
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] byte addresses a tensor's elements can occupy."""
+    start = t.data_ptr()
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return start, start + (extent + 1) * t.element_size() - 1
+
+
+def _check_out(out, hidden_states: torch.Tensor, others) -> None:
+    """out: [M, H] of hidden_states' dtype and device, unit last stride, no element written
+    twice, no memory shared with any input (the kernels read the inputs while writing it)."""
+    _check_tensor("out", out, 2, hidden_states.device)
+    if tuple(out.shape) != tuple(hidden_states.shape):
+        _fail(f"out must have the shape of hidden_states {tuple(hidden_states.shape)}, got "
+              f"{tuple(out.shape)}")
+    if out.dtype != hidden_states.dtype:
+        _fail(f"out must have the dtype of hidden_states ({hidden_states.dtype}), got "
+              f"{out.dtype}")
+    if out.numel() == 0:
+        return
+    if out.stride(1) != 1 or (out.shape[0] > 1 and out.stride(0) < out.shape[1]):
+        _fail(f"out must have last-dim stride 1 and rows that do not overlap, got strides "
+              f"{tuple(out.stride())}")
+    lo, hi = _storage_span(out)
+    tensors = [hidden_states] + [t for t in others if isinstance(t, torch.Tensor)]
+    quant = others[-1]
+    if isinstance(quant, QuantConfig):
+        tensors += [t for t in (quant.w1_scale, quant.w2_scale, quant.a1_scale,
+                                quant.a2_scale) if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.numel() and t.device == out.device and \
+                t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            t_lo, t_hi = _storage_span(t)
+            if t_lo <= hi and lo <= t_hi:
+                _fail("out must not share memory with hidden_states, the weights, the "
+                      "routing tensors or the scales")
 
 
 def fused_moe(
@@ -332,10 +451,11 @@ def fused_moe(
     quant: Optional[QuantConfig] = None,
     backend: str = "auto",
     scoring_func: str = "softmax",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routing + experts: ``fused_topk(hidden_states, gating_output [M, E_global], topk,
     renormalize, scoring_func=scoring_func)`` then ``fused_experts`` with the rest of the
-    arguments. Returns ``[M, H]`` in hidden_states' dtype."""
+    arguments (``out`` as there). Returns ``[M, H]`` in hidden_states' dtype."""
     # The router scores every global expert: a narrower or wider gating_output would route
     # to experts that do not exist (silently dropped) or never route to some that do.
     num_global = w1.shape[0] if global_num_experts == -1 else global_num_experts
@@ -349,4 +469,4 @@ def fused_moe(
                                            scoring_func=scoring_func)
     return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation,
                          apply_router_weight_on_input, global_num_experts, expert_map,
-                         quant=quant, backend=backend)
+                         quant=quant, backend=backend, out=out)

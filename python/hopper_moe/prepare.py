@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops
 from .quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, QuantConfig
@@ -190,8 +191,25 @@ def gemm_weight_scales(scale: torch.Tensor, w: torch.Tensor,
     return scale.float().reshape(shape).contiguous()
 
 
+# expert_map -> (its version counter, num_local, the local map): a layer passes the same map
+# on every call, and the map costs four launches to make. Keyed weakly by the tensor object, so
+# an entry dies with its map; the version counter catches in-place changes.
+_LOCAL_MAPS = WeakTensorKeyDictionary()
+
+
 def local_expert_map(expert_map: torch.Tensor, num_local: int) -> torch.Tensor:
     """expert_map with every entry outside [0, num_local) set to -1 (a non-local expert), in
-    expert_map's dtype: kernels that index the local weights with a mapped id need no bound."""
+    expert_map's dtype: kernels that index the local weights with a mapped id need no bound.
+    Made once per map (and again after an in-place change of it); under torch.compile or a
+    CUDA graph capture it is computed in place of the cache."""
+    cacheable = not torch.compiler.is_compiling() and not (
+        expert_map.is_cuda and torch.cuda.is_current_stream_capturing())
+    if cacheable:
+        hit = _LOCAL_MAPS.get(expert_map)
+        if hit is not None and hit[0] == expert_map._version and hit[1] == num_local:
+            return hit[2]
     inside = (expert_map >= 0) & (expert_map < num_local)
-    return torch.where(inside, expert_map, torch.full_like(expert_map, -1))
+    local = torch.where(inside, expert_map, torch.full_like(expert_map, -1))
+    if cacheable:
+        _LOCAL_MAPS[expert_map] = (expert_map._version, num_local, local)
+    return local

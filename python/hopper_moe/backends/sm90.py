@@ -74,22 +74,36 @@ def _device_is_sm90(device: torch.device) -> bool:
     return _SM90_DEVICES[index]
 
 
-def _check_supported(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     quant) -> None:
+def unsupported_reason(device: torch.device, w1: torch.Tensor, w2: torch.Tensor,
+                       quant) -> Optional[str]:
+    """Why this backend cannot run a layer with these weights on `device` (None: it can)."""
     if quant is not None and quant.block_shape is not None:
-        _fail("block-wise FP8 (quant.block_shape) is not supported yet; use backend='triton'")
+        return "block-wise FP8 (quant.block_shape) is not supported yet; use backend='triton'"
     # The bulk tensor copies read rows of 16 bytes' multiples: H (GEMM1's K) and I (GEMM2's K).
     elem = 1 if quant is not None else 2
     hidden, inter = w1.shape[2], w2.shape[2]
     for name, k in (("hidden size H (w1.size(2))", hidden),
                     ("intermediate size I (w2.size(2))", inter)):
         if (k * elem) % 16:
-            _fail(f"{name} = {k} must be a multiple of {16 // elem} for "
-                  f"{'FP8' if quant is not None else 'bf16'} operands")
-    if hidden_states.device.type == "cuda" and not (
-            is_available("cuda") and _device_is_sm90(hidden_states.device)):
-        _fail(f"needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe; "
-              f"{hidden_states.device} is not one")
+            return (f"{name} = {k} must be a multiple of {16 // elem} for "
+                    f"{'FP8' if quant is not None else 'bf16'} operands")
+    if device.type == "cuda" and not (is_available("cuda") and _device_is_sm90(device)):
+        return (f"needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe; {device} is "
+                f"not one")
+    return None
+
+
+def supports(device: torch.device, dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor,
+             quant) -> bool:
+    """Whether fused_experts(backend='sm90') runs this layer (for the oracle)."""
+    return unsupported_reason(device, w1, w2, quant) is None
+
+
+def _check_supported(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     quant) -> None:
+    reason = unsupported_reason(hidden_states.device, w1, w2, quant)
+    if reason is not None:
+        _fail(reason)
 
 
 def _permuted_gemm1_operands(hidden_states, w1, topk_weights, topk_ids,
@@ -166,9 +180,9 @@ def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_rea
 def fused_experts_sm90(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        apply_router_weight_on_input: bool, global_num_experts: int,
-                       expert_map, quant) -> torch.Tensor:
+                       expert_map, quant, out=None) -> torch.Tensor:
     """Arguments as ``hopper_moe.fused_experts`` after its validation (M > 0,
-    global_num_experts resolved)."""
+    global_num_experts resolved; out checked)."""
     _check_supported(hidden_states, w1, w2, quant)
     # Made here, not just before GEMM1 (a dynamic scale's floor is a fill kernel), so that
     # GEMM1 follows the row gather directly.
@@ -185,10 +199,16 @@ def fused_experts_sm90(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
     weights = torch.ones_like(topk_weights, dtype=torch.float32) \
         if apply_router_weight_on_input else topk_weights.float().contiguous()
-    out = torch.empty((hidden_states.shape[0], w2.shape[1]), dtype=torch.bfloat16,
-                      device=a1.device)
-    ops.moe_unpermute(out, y, weights, inv_idx, offsets)
-    return out.to(hidden_states.dtype)
+    # The sum is written in bf16 (GEMM2's output dtype): straight into `out` when that is bf16.
+    direct = out is not None and out.dtype == torch.bfloat16
+    summed = out if direct else torch.empty((hidden_states.shape[0], w2.shape[1]),
+                                            dtype=torch.bfloat16, device=a1.device)
+    ops.moe_unpermute(summed, y, weights, inv_idx, offsets)
+    if direct:
+        return out
+    if out is not None:
+        return out.copy_(summed)
+    return summed.to(hidden_states.dtype)
 
 
 def run(*args, **kwargs) -> torch.Tensor:

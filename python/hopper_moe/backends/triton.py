@@ -39,12 +39,18 @@ def is_available(device_type: str) -> bool:
     return device_type == "cpu" and settings.TRITON_INTERPRET
 
 
+_MODULES: dict[str, object] = {}
+
+
 def _moe_gemm():
     """hopper_moe.kernels.moe_gemm (its kernel is looked up there on every launch, so that a
-    replaced kernel is the one launched); importing it imports Triton."""
-    from ..kernels import moe_gemm
+    replaced kernel is the one launched); importing it imports Triton, on the first launch."""
+    module = _MODULES.get("moe_gemm")
+    if module is None:
+        from ..kernels import moe_gemm as module
 
-    return moe_gemm
+        _MODULES["moe_gemm"] = module
+    return module
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -107,12 +113,14 @@ class Routing:
 def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing: Routing,
                     top_k: int, num_slots: int, quant, mul_routed_weight: bool,
                     config: dict, fuse_silu: bool = False,
-                    out_scale: torch.Tensor | None = None, amax_out: bool = False) -> None:
+                    out_scale: torch.Tensor | None = None, amax_out: bool = False,
+                    compile_only: bool = False) -> None:
     """C[slot] = A[slot // top_k] . B[expert]^T for every slot the routing places.
 
     fuse_silu (GEMM1): C[slot] = silu(gate) * up of that product, [slots, N / 2]; an FP8 C is
     quantized with the static scale out_scale; amax_out: C stays bf16 and out_scale (set to
-    the dynamic scale's floor by the caller) receives max(out_scale, amax(C) / 448)."""
+    the dynamic scale's floor by the caller) receives max(out_scale, amax(C) / 448).
+    compile_only: compile the kernel these arguments need (Triton's warmup), launch nothing."""
     n, k = b.shape[1], b.shape[2]
     mode = _quant_mode(quant)
     grid = (routing.num_blocks(config["BLOCK_M"]) * _cdiv(n, config["BLOCK_N"]),)
@@ -124,40 +132,45 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
     else:
         bse, bsn, bsk = _weight_scale_strides(b_scale, b, quant)
     group_n, group_k = (quant.block_shape if mode == _QUANT_BLOCK else (1, 1))
-    _moe_gemm().moe_gemm_kernel[grid](
+    ptrs = (
         a, b, c, a_scale, b_scale, topk_weights if mul_routed_weight else dummy,
         out_scale if out_scale is not None else dummy,
         routing.sorted_ids, routing.expert_ids, routing.ntp,
-        routing.topk_ids, routing.expert_map if routing.expert_map is not None else dummy,
-        n, k, num_slots, routing.sorted_ids.numel(), routing.num_experts, b.shape[0],
+        routing.topk_ids, routing.expert_map if routing.expert_map is not None else dummy)
+    # Every other parameter in the kernel's order; the compiled kernel depends on all of them
+    # but num_slots and num_sorted (do_not_specialize: they follow the token count).
+    static = (
+        n, k, routing.num_experts, b.shape[0],
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1),
         stride_as[0], stride_as[1],
         bse, bsn, bsk,
-        TOP_K=top_k,
-        QUANT=mode,
-        PER_ACT_TOKEN=bool(quant is not None and quant.per_act_token_quant),
-        PER_OUT_CH=bool(quant is not None and quant.per_out_ch_quant),
-        GROUP_N=group_n,
-        GROUP_K=group_k,
-        MUL_ROUTED_WEIGHT=mul_routed_weight,
-        SWAP_AB=config["SWAP_AB"],
-        BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"],
-        ONE_SLOT_PER_BLOCK=not routing.aligned,
-        HAS_EXPERT_MAP=routing.expert_map is not None,
-        EVEN_K=k % config["BLOCK_K"] == 0,
-        EVEN_N=n % config["BLOCK_N"] == 0,
-        FUSE_SILU=fuse_silu,
-        OUT_FP8=fuse_silu and c.dtype == ops.FP8_DTYPE,
-        AMAX_OUT=amax_out,
-        INTERPRETER=settings.TRITON_INTERPRET,
-        num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        # The constexprs.
+        top_k, mode,
+        bool(quant is not None and quant.per_act_token_quant),
+        bool(quant is not None and quant.per_out_ch_quant),
+        group_n, group_k, mul_routed_weight,
+        config["SWAP_AB"], config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"],
+        config["GROUP_M"],
+        not routing.aligned, routing.expert_map is not None,
+        k % config["BLOCK_K"] == 0, n % config["BLOCK_N"] == 0,
+        fuse_silu, fuse_silu and c.dtype == ops.FP8_DTYPE, amax_out,
+        settings.TRITON_INTERPRET,
     )
+    scalars = static[:2] + (num_slots, routing.sorted_ids.numel()) + static[2:]
+    _launcher().launch(_moe_gemm().moe_gemm_kernel, grid, ptrs, scalars, static,
+                       config["num_warps"], config["num_stages"], compile_only)
+
+
+def _launcher():
+    """hopper_moe.kernels.launch, imported with Triton on the first launch."""
+    module = _MODULES.get("launch")
+    if module is None:
+        from ..kernels import launch as module
+
+        _MODULES["launch"] = module
+    return module
 
 
 def precision(quant, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -172,8 +185,20 @@ def precision(quant, dtype: torch.dtype = torch.bfloat16) -> dict:
                 act_dtype=None if static_a2 else store)
 
 
+_IDENTITY_MAPS: dict[tuple, torch.Tensor] = {}
+
+
 def _identity_map(num_experts: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(num_experts, dtype=torch.int32, device=device)
+    """arange(num_experts) int32 on device, made once (never written: moe_sum only reads it).
+    Under torch.compile or a graph capture it is made in place of the cache."""
+    key = (num_experts, device.type, device.index)
+    ident = _IDENTITY_MAPS.get(key)
+    if ident is None:
+        ident = torch.arange(num_experts, dtype=torch.int32, device=device)
+        if not torch.compiler.is_compiling() and not (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _IDENTITY_MAPS[key] = ident
+    return ident
 
 
 def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -181,19 +206,24 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                          apply_router_weight_on_input: bool = False,
                          global_num_experts: int = -1,
                          expert_map: torch.Tensor | None = None,
-                         quant=None, stage_done=None) -> torch.Tensor:
+                         quant=None, stage_done=None, out=None,
+                         compile_only: bool = False) -> torch.Tensor:
     """[M, H] -> [M, H] through the experts chosen by topk_ids, with Triton GEMMs.
 
     stage_done: called with each stage's name once its launches are enqueued ("align",
     "quant1", "gemm1", "quant2", "gemm2", "sum"; benchmarks/bench_stages.py records an event
-    there)."""
+    there). out: [M, H] of hidden_states' dtype with unit last stride (checked by the
+    caller), written by the final sum instead of a new tensor. compile_only: every step but the
+    GEMMs runs, and the GEMMs' kernels are compiled instead of launched (hopper_moe.warmup;
+    the output is then meaningless)."""
     mark = stage_done if stage_done is not None else (lambda name: None)
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts = w1.shape[0] if global_num_experts == -1 else global_num_experts
     inter2 = w1.shape[1]
     out_dtype = hidden_states.dtype
-    out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=hidden_states.device)
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=hidden_states.device)
     if num_tokens == 0:
         return out
     num_slots = num_tokens * top_k
@@ -234,7 +264,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
                       device=x.device)
     invoke_moe_gemm(a1, w1, act, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
                     topk_weights, routing, top_k, num_slots, quant, False, cfg, fuse_silu=True,
-                    out_scale=act_scale, amax_out=kind == prepare.DYNAMIC_TENSOR)
+                    out_scale=act_scale, amax_out=kind == prepare.DYNAMIC_TENSOR,
+                    compile_only=compile_only)
     mark("gemm1")
     if prepare.gemm1_writes_gemm2_input(quant):
         a2, a2_s, a2_st = act, act_scale, (0, 0)
@@ -245,7 +276,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)
     invoke_moe_gemm(a2, w2, cache2, a2_s, a2_st, None if mode == _QUANT_NONE else quant.w2_scale,
                     topk_weights, routing, 1, num_slots, quant,
-                    not apply_router_weight_on_input, cfg)
+                    not apply_router_weight_on_input, cfg, compile_only=compile_only)
     mark("gemm2")
     # Slots with an id outside [0, num_experts) were never placed, so their rows of cache2 are
     # unwritten; an identity map makes moe_sum skip them as it skips non-local experts.

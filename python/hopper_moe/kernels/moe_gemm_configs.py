@@ -35,8 +35,18 @@ def config_file_name(num_experts: int, intermediate: int, scheme: str,
     return name + ".json"
 
 
+_DEVICE_NAMES: dict[int, str] = {}
+
+
 def _device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    """The current GPU's name ("cpu" without one); asked of the driver once per device."""
+    if not _has_cuda():
+        return "cpu"
+    index = torch.cuda.current_device()
+    name = _DEVICE_NAMES.get(index)
+    if name is None:
+        name = _DEVICE_NAMES[index] = torch.cuda.get_device_name(index)
+    return name
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,17 +115,36 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
     return cfg
 
 
+# (file, num_tokens) -> (the table it was found in, its nearest key): the nearest-key search
+# once per token count and table.
+_NEAREST: dict[tuple[str, int], tuple[dict, int]] = {}
+
+
 def get_config(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
                scheme: str) -> dict:
     """Config of both GEMMs of a layer (w1 [E, 2*intermediate, H], w2 [E, H, intermediate])
-    for this token count; they share BLOCK_M because they share one alignment."""
+    for this token count; they share BLOCK_M because they share one alignment. A new dict
+    on every call (callers may change it)."""
     default = default_config(num_tokens, top_k, num_experts, scheme)
-    table = _load(config_file_name(num_experts, intermediate, scheme)) \
-        if torch.cuda.is_available() else None
+    if not _has_cuda():
+        return default
+    name = config_file_name(num_experts, intermediate, scheme)
+    table = _load(name)
     if not table:
         return default
-    key = min(table, key=lambda m: abs(m - num_tokens))
+    hit = _NEAREST.get((name, num_tokens))
+    if hit is not None and hit[0] is table:
+        key = hit[1]
+    else:
+        key = min(table, key=lambda m: abs(m - num_tokens))
+        _NEAREST[(name, num_tokens)] = (table, key)
     cfg = dict(default, **table[key])
     if "SWAP_AB" not in table[key]:
         cfg["SWAP_AB"] = cfg["BLOCK_M"] < 64
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _has_cuda() -> bool:
+    """Asked once: torch.cuda.is_available() reads the environment on every call."""
+    return torch.cuda.is_available()
