@@ -129,7 +129,8 @@ def _check_tensor(name: str, t, dim: int, device: Optional[torch.device] = None)
 def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activation,
                            apply_router_weight_on_input, global_num_experts, expert_map,
                            quant, backend) -> int:
-    """Checks every argument of fused_experts; returns the resolved global_num_experts."""
+    """Checks every argument of fused_experts; returns the resolved global_num_experts and
+    quant (QuantConfig.resolve: what vLLM infers from the scales' shapes made explicit)."""
     if _canonical(backend) not in _BACKEND_NAMES:
         _fail(f"backend must be one of {_BACKEND_NAMES} (or an alias in "
               f"{tuple(BACKEND_ALIASES)}), got {backend!r}")
@@ -170,6 +171,7 @@ def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activa
     else:
         if not isinstance(quant, QuantConfig):
             _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
+        quant = quant.resolve(w1)
         quant.validate(w1, w2)
     if tuple(topk_ids.shape) != tuple(topk_weights.shape):
         _fail(f"topk_ids and topk_weights must have the same shape (num_tokens, topk), got "
@@ -205,7 +207,7 @@ def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activa
                   f"expert_map is None, got {global_num_experts}")
     if global_num_experts < 1:
         _fail(f"global_num_experts must be >= 1, got {global_num_experts}")
-    return global_num_experts
+    return global_num_experts, quant
 
 
 # ----------------------------------------------------------------------------- backends
@@ -374,7 +376,7 @@ def fused_experts(
         RuntimeError naming the argument and the rule for any invalid argument, or when the
         requested backend is not available in this build.
     """
-    global_num_experts = _validate_experts_args(
+    global_num_experts, quant = _validate_experts_args(
         hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
         global_num_experts, expert_map, quant, backend)
     device_type = hidden_states.device.type

@@ -21,6 +21,8 @@ a per-token-group scale is ``max(amax, 1e-10) / 448``.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -88,6 +90,20 @@ class QuantConfig:
     def act_group_size(self) -> Optional[int]:
         """Columns per activation scale group (``block_shape[1]``) for block scaling, else None."""
         return None if self.block_shape is None else int(self.block_shape[1])
+
+    def resolve(self, w1: torch.Tensor) -> "QuantConfig":
+        """This config with what vLLM infers made explicit: per-token activations with
+        per-channel weight scales (``w1_scale`` of shape ``[E, N]`` or ``[E, N, 1]``, N > 1)
+        and ``per_out_ch_quant`` unset mean per-channel weights, as vLLM's fused_experts
+        reads them. Otherwise self."""
+        s = self.w1_scale
+        if (self.per_act_token_quant and not self.per_out_ch_quant and self.block_shape is None
+                and isinstance(s, torch.Tensor) and isinstance(w1, torch.Tensor)
+                and w1.dim() == 3 and w1.shape[1] > 1
+                and tuple(s.shape) in ((w1.shape[0], w1.shape[1]),
+                                       (w1.shape[0], w1.shape[1], 1))):
+            return dataclasses.replace(self, per_out_ch_quant=True)
+        return self
 
     def validate(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Checks this config against w1 ``[E, 2I, H]`` and w2 ``[E, H, I]``.
