@@ -5,6 +5,8 @@
 Environment:
   CUTLASS_DIR          CUTLASS checkout to use instead of the nvidia-cutlass package
   HOPPER_MOE_CPU_ONLY  1: build only the CPU implementations (no nvcc needed)
+  HOPPER_MOE_CXX_FLAGS   extra host C++ compiler flags, space-separated (e.g. -g for full debug
+                       info: host files get -g1, line tables only, by default)
   HOPPER_MOE_NVCC_FLAGS  extra nvcc flags, space-separated
   MAX_JOBS             parallel compile jobs (ninja)
 ptxas prints registers, shared memory and spills of every kernel (-Xptxas=-v); with `pip -v`
@@ -44,7 +46,15 @@ if not cpu_only and shutil.which("nvcc") is None and not os.environ.get("CUDA_HO
 
 cpp_sources = ["csrc/torch_bindings.cpp", "csrc/settings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp")
 include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
-cxx_flags = ["-O3", "-DHOPPER_MOE_PYTHON_MODULE"]
+# Every source includes only the ATen/c10 headers it uses (<ATen/core/Tensor.h>, per-op headers
+# such as <ATen/ops/empty.h>), never <ATen/ATen.h> or <torch/extension.h>: those parse all of
+# ATen's operators and made each host file several times slower to compile. This define turns
+# an include of ATen/Functions.h (which they pull in) into a compile error.
+only_method_operators = "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS"
+# -g1: line tables (backtraces, perf) without the full debug info of every ATen template the
+# Python build's -g would emit, which took as long as the rest of each host file's compile.
+cxx_flags = ["-O3", "-g1", "-DHOPPER_MOE_PYTHON_MODULE", only_method_operators]
+cxx_flags += os.environ.get("HOPPER_MOE_CXX_FLAGS", "").split()
 
 if cpu_only:
     ext = CppExtension(
@@ -66,7 +76,7 @@ else:
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ] + defines + os.environ.get("HOPPER_MOE_NVCC_FLAGS", "").split()
+    ] + defines + [only_method_operators] + os.environ.get("HOPPER_MOE_NVCC_FLAGS", "").split()
     ext = CUDAExtension(
         "hopper_moe._C", cpp_sources + cuda_sources, include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags})

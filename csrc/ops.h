@@ -9,7 +9,8 @@
 // cpu:: and cuda:: call check:: first, so both reject the same inputs with the same message.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
 #include <optional>

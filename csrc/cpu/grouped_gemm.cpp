@@ -32,11 +32,11 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
     const int64_t begin = std::clamp<int64_t>(off[e], 0, m);
     const int64_t end = std::clamp<int64_t>(off[e + 1], begin, m);
     if (end == begin) continue;
-    at::Tensor y = at::matmul(af.slice(0, begin, end), b[e].to(at::kFloat).t());  // [rows, N]
-    if (b_scales) y = y * b_scale_f[e].reshape({1, -1});  // [1] or [N] broadcast over rows
+    at::Tensor y = af.slice(0, begin, end).matmul(b[e].to(at::kFloat).t());  // [rows, N]
+    if (b_scales) y = y.mul(b_scale_f[e].reshape({1, -1}));  // [1] or [N] broadcast over rows
     if (a_scales) {
-      y = a_rows_scale.numel() == 1 ? y * a_rows_scale[0]
-                                    : y * a_rows_scale.slice(0, begin, end).reshape({-1, 1});
+      y = a_rows_scale.numel() == 1 ? y.mul(a_rows_scale[0])
+                                    : y.mul(a_rows_scale.slice(0, begin, end).reshape({-1, 1}));
     }
     out.slice(0, begin, end).copy_(y.to(out.scalar_type()));
   }
@@ -54,7 +54,7 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
                                    offsets_ready, amax_scale, config);
   const int64_t m = a.size(0), e_count = b.size(0);
   if (m == 0 || out.size(1) == 0) return;
-  at::Tensor h = at::zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
+  at::Tensor h = a.new_zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
   moe_grouped_gemm(h, a, b, expert_offsets, a_scales, b_scales, offsets_ready, "");
   const auto offsets = expert_offsets.cpu();
   const int64_t* off = offsets.data_ptr<int64_t>();
@@ -70,7 +70,7 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
       if (amax_scale) {
         // max(scale, amax / 448) with fmaxf's rule: NaN elements do not count.
         const at::Tensor v = rows.to(at::kFloat).abs();
-        const float amax = at::where(at::isnan(v), at::zeros_like(v), v).max().item<float>();
+        const float amax = v.masked_fill(v.isnan(), 0.0).max().item<float>();
         amax_scale->fill_(std::fmax(amax_scale->item<float>(), amax / 448.0f));
       }
     }

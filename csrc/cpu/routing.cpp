@@ -177,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
                       bias, scoring_func);
   const int64_t T = scores.size(0);
   const int64_t E = scores.size(1);
-  at::Tensor weights = at::empty({T, topk}, scores.options().dtype(at::kFloat));
-  at::Tensor ids = at::empty({T, topk}, scores.options().dtype(at::kInt));
+  at::Tensor weights = scores.new_empty({T, topk}, scores.options().dtype(at::kFloat));
+  at::Tensor ids = scores.new_empty({T, topk}, scores.options().dtype(at::kInt));
   if (T == 0) return {weights, ids};
 
   const int64_t G = E / n_group;

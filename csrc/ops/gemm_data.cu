@@ -1,6 +1,7 @@
 // CUDA launchers of the grouped-GEMM metadata ops (same semantics as vLLM's
 // get_cutlass_moe_mm_data / get_cutlass_moe_mm_problem_sizes_from_expert_offsets; definitions
 // in csrc/cpu/gemm_data.cpp, kernels in hopper_moe/moe/gemm_data.cuh).
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

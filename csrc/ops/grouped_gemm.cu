@@ -5,7 +5,8 @@
 // error instead of a launch failure. Validated on an H200 against the CPU definition and the
 // fp32 reference (tests/test_grouped_gemm*.py). The ops' `config` argument (parsed by
 // check::grouped_gemm_config, the same on both devices) forces parts of the launch.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

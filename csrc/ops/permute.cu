@@ -5,7 +5,7 @@
 //
 // No launcher reads device data on the host: every data-dependent size (valid rows, padded
 // total) is read by the kernels themselves, so all four ops can be captured in a CUDA graph.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

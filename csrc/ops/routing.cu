@@ -1,7 +1,7 @@
 // CUDA launchers of the routing ops: topk_softmax, topk_sigmoid, grouped_topk.
 // Semantics: csrc/cpu/routing.cpp (the kernels reproduce it bit for bit). Kernels:
 // csrc/include/hopper_moe/moe/topk_gating.cuh, topk_grouped.cuh.
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

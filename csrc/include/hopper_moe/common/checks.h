@@ -11,7 +11,10 @@
 //   if (bias) check_dtype_named(kOp, *bias, "bias", at::kFloat);
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>

@@ -9,7 +9,8 @@
 // problem size is read.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 namespace hopper_moe::gemm {
 
@@ -21,7 +22,7 @@ inline at::Tensor cutlass_moe_mm_row_offsets(const at::Tensor& expert_offsets,
   if (e == 0) return ext.zero_();
   ext.slice(0, 0, e).copy_(expert_offsets);
   const at::Tensor last_m = problem_sizes.select(0, e - 1).select(0, swapped ? 1 : 0);
-  ext.slice(0, e, e + 1).copy_(expert_offsets.slice(0, e - 1, e).to(at::kLong) + last_m);
+  ext.slice(0, e, e + 1).copy_(expert_offsets.slice(0, e - 1, e).to(at::kLong).add(last_m));
   return ext;
 }
 

@@ -11,8 +11,9 @@
 // which covers per-tensor, per-token, per-channel and 2-D block scales.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include <algorithm>
 #include <cstdint>
