@@ -1,0 +1,188 @@
+"""The table of vLLM 0.33.0 kernel tests the harness does not run against hopper_moe, and why.
+
+Only features hopper_moe does not claim are skipped (docs/OPS.md lists what it claims): FP4
+(NVFP4, MXFP4), int4/int8/WNA16, Marlin and the other vendor kernels, activations other than
+SiLU(gate) * up, vLLM's workspace manager and scratch buffers, vLLM-internal Python plumbing
+(Triton launcher details, layer oracles), and ops hopper_moe does not register.
+
+SELECTED   upstream test files the harness runs (each tests an op or the layer hopper_moe claims).
+NOT_RUN    every other file of tests/kernels/{moe,quantization,core} and tests/kernels/*.py,
+           by glob, with the reason it is not taken (the harness reports any file that matches
+           neither, so a new upstream file cannot be dropped silently).
+SKIPS      tests inside SELECTED files that are skipped: (node id glob, reason). A glob matches
+           the node id relative to the extracted sdist, e.g.
+           ``tests/kernels/moe/test_moe.py::test_fused_moe_wn16[...]``.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+SELECTED = {
+    "tests/kernels/moe/test_fused_topk.py": "topk_softmax, topk_sigmoid (fused_topk, fused_topk_bias)",
+    "tests/kernels/moe/test_grouped_topk.py": "grouped_topk",
+    "tests/kernels/moe/test_moe_align_block_size.py": "moe_align_block_size",
+    "tests/kernels/moe/test_moe_permute_unpermute.py": "moe_permute, moe_unpermute",
+    "tests/kernels/test_shuffle_rows.py": "shuffle_rows",
+    "tests/kernels/moe/test_moe.py": "fused_experts (bf16/fp16/fp32), moe_sum, moe_align_block_size opcheck",
+    "tests/kernels/moe/test_triton_moe_ptpc_fp8.py": "fused_experts FP8 per-token x per-channel",
+    "tests/kernels/moe/test_block_fp8.py": "fused_experts FP8 block [128,128], per_token_group_fp8_quant",
+    "tests/kernels/moe/test_cutlass_moe.py": "cutlass_moe_mm, get_cutlass_moe_mm_data, shuffle_rows (FP8 CUTLASS MoE path)",
+    "tests/kernels/core/test_activation.py": "silu_and_mul",
+    "tests/kernels/test_fused_quant_activation.py": "silu_and_mul, silu_and_mul_quant",
+    "tests/kernels/quantization/test_fp8_quant.py": "static/dynamic/per-token scaled_fp8_quant",
+    "tests/kernels/quantization/test_fp8_quant_group.py": "static_scaled_fp8_quant group_shape (QuantFP8)",
+    "tests/kernels/quantization/test_per_token_group_quant.py": "per_token_group_fp8_quant",
+    "tests/kernels/quantization/test_block_fp8.py": "per_token_group_quant_fp8 (the first test)",
+}
+
+# Reasons, by category (the summary counts by these keys).
+FP4 = "FP4 (NVFP4 / MXFP4): hopper_moe has no FP4 ops"
+INT = "int4 / int8 / WNA16 / W4A8 quantization: hopper_moe runs bf16/fp16/fp32 and FP8 e4m3 only"
+MARLIN = "Marlin / Humming / Machete kernels: not part of hopper_moe"
+ACT = "activation other than SiLU(gate)*up (GELU, SwiGLU-OAI, clamp/limit, ReLU2, ...): not claimed"
+WORKSPACE = "vLLM's workspace manager / scratch buffers: vLLM-internal Python, not an op"
+VENDOR = "vendor or backend kernels hopper_moe does not provide (DeepGEMM, FlashInfer, TRT-LLM, AITER/ROCm, CuteDSL, b12x, XPU, CPU-backend ops, Triton OAI kernels)"
+DIST = "multi-GPU / all2all / DP / EP dispatch (DeepEP, MoRI, NIXL, pplx): not part of hopper_moe"
+INTERNAL = "vLLM-internal Python (layer oracles, config, weight loading, Triton launcher details), no hopper_moe op involved"
+NOT_AN_OP = "op hopper_moe does not register"
+BLOCK_MM = "dense (non-MoE) block FP8 GEMM (w8a8_block_fp8_matmul and its backends): not a hopper_moe op"
+
+NOT_RUN = [
+    # moe/
+    ("tests/kernels/moe/*nvfp4*", FP4), ("tests/kernels/moe/*mxfp4*", FP4),
+    ("tests/kernels/moe/*fp4*", FP4), ("tests/kernels/moe/test_ocp_mx_moe.py", FP4),
+    ("tests/kernels/moe/*int4*", INT), ("tests/kernels/moe/*int8*", INT),
+    ("tests/kernels/moe/*mxint4*", INT),
+    ("tests/kernels/moe/*marlin*", MARLIN),
+    ("tests/kernels/moe/*deepgemm*", VENDOR), ("tests/kernels/moe/*deep_gemm*", VENDOR),
+    ("tests/kernels/moe/*flashinfer*", VENDOR), ("tests/kernels/moe/*trtllm*", VENDOR),
+    ("tests/kernels/moe/*rocm*", VENDOR), ("tests/kernels/moe/*aiter*", VENDOR),
+    ("tests/kernels/moe/*cutedsl*", VENDOR), ("tests/kernels/moe/*b12x*", VENDOR),
+    ("tests/kernels/moe/*flydsl*", VENDOR), ("tests/kernels/moe/*zen_cpu*", VENDOR),
+    ("tests/kernels/moe/test_cpu_*", VENDOR), ("tests/kernels/moe/*gpt_oss*", VENDOR),
+    ("tests/kernels/moe/*oai_triton*", VENDOR), ("tests/kernels/moe/*muse_spark*", VENDOR),
+    ("tests/kernels/moe/test_gemma4router.py", VENDOR),
+    ("tests/kernels/moe/test_topk_softplus_sqrt.py", NOT_AN_OP),
+    ("tests/kernels/moe/test_situ_mul_fp8_quant.py", ACT),
+    ("tests/kernels/moe/test_triton_moe_no_act_mul.py", ACT),
+    ("tests/kernels/moe/test_silu_mul_fp8_quant_deep_gemm.py", VENDOR),
+    ("tests/kernels/moe/test_silu_mul_per_token_group_quant_fp8_colmajor.py", NOT_AN_OP),
+    ("tests/kernels/moe/*deepep*", DIST), ("tests/kernels/moe/*mori*", DIST),
+    ("tests/kernels/moe/*naive_dp*", DIST), ("tests/kernels/moe/*moonep*", DIST),
+    ("tests/kernels/moe/test_batched_moe.py", DIST),
+    ("tests/kernels/moe/test_modular_kernel_combinations.py", DIST),
+    ("tests/kernels/moe/test_profile_modular_kernel.py", DIST),
+    ("tests/kernels/moe/parallel_utils.py", DIST),
+    ("tests/kernels/moe/test_count_expert_num_tokens.py", NOT_AN_OP),
+    ("tests/kernels/moe/test_fused_globalize_align_block_size.py", NOT_AN_OP),
+    ("tests/kernels/moe/test_moe_fused_mul_sum.py", NOT_AN_OP),
+    ("tests/kernels/moe/test_zero_expert_moe.py", NOT_AN_OP),
+    ("tests/kernels/moe/test_routing.py", INTERNAL),
+    ("tests/kernels/moe/test_routing_simulator.py", INTERNAL),
+    ("tests/kernels/moe/test_routed_experts_capture_monolithic.py", INTERNAL),
+    ("tests/kernels/moe/test_expert_substitution.py", INTERNAL),
+    ("tests/kernels/moe/test_fp8_tp_loading.py", INTERNAL),
+    ("tests/kernels/moe/test_moe_kernel_oracle.py", INTERNAL),
+    ("tests/kernels/moe/test_moe_layer.py", INTERNAL),
+    ("tests/kernels/moe/test_moe_weight_loading_padded.py", INTERNAL),
+    ("tests/kernels/moe/test_mxfp8_aiter_backend_selection.py", VENDOR),
+    ("tests/kernels/moe/test_unquantized_backend_selection.py", INTERNAL),
+    ("tests/kernels/moe/test_shared_fused_moe_routed_transform.py", INTERNAL),
+    ("tests/kernels/moe/test_batched_deepgemm.py", VENDOR),
+    ("tests/kernels/moe/modular_kernel_tools/*", DIST),
+    ("tests/kernels/moe/__init__.py", "package file"), ("tests/kernels/moe/conftest.py", "support file"),
+    ("tests/kernels/moe/utils.py", "support file"),
+    # quantization/
+    ("tests/kernels/quantization/*fp4*", FP4), ("tests/kernels/quantization/*mxfp*", FP4),
+    ("tests/kernels/quantization/*nvfp4*", FP4),
+    ("tests/kernels/quantization/*int8*", INT), ("tests/kernels/quantization/*int4*", INT),
+    ("tests/kernels/quantization/*w4a*", INT), ("tests/kernels/quantization/*awq*", INT),
+    ("tests/kernels/quantization/*gptq*", INT), ("tests/kernels/quantization/*da8w4*", INT),
+    ("tests/kernels/quantization/*marlin*", MARLIN), ("tests/kernels/quantization/*machete*", MARLIN),
+    ("tests/kernels/quantization/*rocm*", VENDOR), ("tests/kernels/quantization/*aiter*", VENDOR),
+    ("tests/kernels/quantization/*rdna*", VENDOR), ("tests/kernels/quantization/*flashinfer*", VENDOR),
+    ("tests/kernels/quantization/*hadacore*", VENDOR), ("tests/kernels/quantization/test_cpu_*", VENDOR),
+    ("tests/kernels/quantization/test_cutlass_scaled_mm.py", BLOCK_MM),
+    ("tests/kernels/quantization/test_triton_scaled_mm.py", BLOCK_MM),
+    ("tests/kernels/quantization/test_scaled_mm_kernel_selection.py", INTERNAL),
+    ("tests/kernels/quantization/test_fp8_min_max_helper.py", INTERNAL),
+    ("tests/kernels/quantization/test_quant_op_schema.py", NOT_AN_OP),
+    ("tests/kernels/quantization/test_quantized_embedding.py", NOT_AN_OP),
+    ("tests/kernels/quantization/nvfp4_utils.py", "support file"),
+    # core/ : everything but test_activation.py is norms, rotary, embeddings, attention helpers
+    ("tests/kernels/core/*", NOT_AN_OP),
+    # tests/kernels/*.py and the other subdirectories
+    ("tests/kernels/__init__.py", "package file"), ("tests/kernels/conftest.py", "support file"),
+    ("tests/kernels/utils.py", "support file"), ("tests/kernels/quant_utils.py", "support file"),
+    ("tests/kernels/allclose_default.py", "support file"),
+    ("tests/kernels/*/*", NOT_AN_OP),  # attention, mamba, fla, helion, ... directories
+    ("tests/kernels/*", NOT_AN_OP),  # top-level files other than the SELECTED ones
+]
+
+SKIPS = [
+    # moe/test_moe.py
+    ("tests/kernels/moe/test_moe.py::test_fused_moe_wn16*", INT),
+    ("tests/kernels/moe/test_moe.py::test_*marlin*", MARLIN),
+    ("tests/kernels/moe/test_moe.py::test_humming*", MARLIN),
+    ("tests/kernels/moe/test_moe.py::test_batched_moe_align_block_size_opcheck*", NOT_AN_OP),
+    ("tests/kernels/moe/test_moe.py::test_unquantized_bf16_flashinfer_trtllm_backend*", VENDOR),
+    ("tests/kernels/moe/test_moe.py::test_triton_moe_launcher_passes_scalar_scale_as_pointer*", INTERNAL),
+    ("tests/kernels/moe/test_moe.py::test_host_resident_weights_take_sorted_path*", INTERNAL),
+    ("tests/kernels/moe/test_moe.py::test_naive_block_assignment_moe*", INTERNAL),
+    ("tests/kernels/moe/test_moe.py::test_fused_shared_expert_alignment*", WORKSPACE),
+    # moe/test_moe_permute_unpermute.py
+    ("tests/kernels/moe/test_moe_permute_unpermute.py::test_moe_permute_*scratch*", WORKSPACE),
+    ("tests/kernels/moe/test_moe_permute_unpermute.py::test_moe_permute_reuses_scratch_buffers*", WORKSPACE),
+    # moe/test_moe_align_block_size.py
+    ("tests/kernels/moe/test_moe_align_block_size.py::test_batched_moe_align_block_size*", NOT_AN_OP),
+    # moe/test_grouped_topk.py
+    ("tests/kernels/moe/test_grouped_topk.py::test_kimi_grouped_topk*", INTERNAL),
+    # moe/test_block_fp8.py
+    ("tests/kernels/moe/test_block_fp8.py::test_w8a8_block_fp8_deep_gemm_fused_moe*", VENDOR),
+    ("tests/kernels/moe/test_block_fp8.py::test_w8a8_block_fp8_clamp_skips_fused_silu_quant*", ACT),
+    # moe/test_cutlass_moe.py
+    ("tests/kernels/moe/test_cutlass_moe.py::test_*fp4*", FP4),
+    ("tests/kernels/moe/test_cutlass_moe.py::test_nvfp4*", FP4),
+    ("tests/kernels/moe/test_cutlass_moe.py::test_cutlass_mxfp4*", FP4),
+    ("tests/kernels/moe/test_cutlass_moe.py::test_cutlass_moe_activation_metadata*", INTERNAL),
+    ("tests/kernels/moe/test_cutlass_moe.py::test_cutlass_moe_forwards_shared_activation*", INTERNAL),
+    ("tests/kernels/moe/test_cutlass_moe.py::test_remap_topk_ids_to_local*", INTERNAL),
+    # core/test_activation.py: only SiLU(gate)*up is claimed
+    ("tests/kernels/core/test_activation.py::test_masked_moe_activation*", ACT),
+    ("tests/kernels/core/test_activation.py::test_moe_silu_clamp*", ACT),
+    ("tests/kernels/core/test_activation.py::test_swiglu_limit*", ACT),
+    ("tests/kernels/core/test_activation.py::test_silu_and_mul_with_clamp*", ACT),
+    ("tests/kernels/core/test_activation.py::test_activation*", ACT),
+    ("tests/kernels/core/test_activation.py::test_humming*", MARLIN),
+    # quantization/test_per_token_group_quant.py
+    ("tests/kernels/quantization/test_per_token_group_quant.py::test_per_token_group_quant_int8*", INT),
+    ("tests/kernels/quantization/test_per_token_group_quant.py::test_per_token_group_quant_fp8_packed*", NOT_AN_OP),
+    # quantization/test_block_fp8.py: only the per_token_group_quant_fp8 test is about hopper_moe
+    ("tests/kernels/quantization/test_block_fp8.py::test_w8a8_block_fp8_*", BLOCK_MM),
+]
+
+# test_act_and_mul is parametrized over activations; only the SiLU ones are hopper_moe's.
+_ACT_AND_MUL = "tests/kernels/core/test_activation.py::test_act_and_mul["
+
+
+def reason_for(nodeid: str) -> str | None:
+    """The skip reason of an upstream test node id, or None when it runs."""
+    if nodeid.startswith(_ACT_AND_MUL):
+        params = nodeid[len(_ACT_AND_MUL):]
+        if not params.startswith("silu_and_mul-") and "-silu_and_mul-" not in params \
+                and "SiluAndMul" not in params and "silu_and_mul]" not in params:
+            return ACT
+    for pattern, reason in SKIPS:
+        if fnmatch.fnmatchcase(nodeid, pattern):
+            return reason
+    return None
+
+
+def not_run_reason(path: str) -> str | None:
+    """Why an upstream file (path relative to the sdist root) is not run; None if SELECTED."""
+    if path in SELECTED:
+        return None
+    for pattern, reason in NOT_RUN:
+        if fnmatch.fnmatchcase(path, pattern):
+            return reason
+    return "unclassified (new upstream file?)"
