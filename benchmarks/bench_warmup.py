@@ -63,19 +63,24 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
         xm = x[:m]
 
         def once():
-            hm.fused_experts(xm, w1, w2, tw, ti, quant=quant, backend=args.backend)
-            torch.cuda.synchronize()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        once()
-        first = (time.perf_counter() - t) * 1e3
-        steady = []
-        for _ in range(args.reps):
+            """(host ms until fused_experts returned, wall ms until the GPU finished)"""
             t = time.perf_counter()
-            once()
-            steady.append((time.perf_counter() - t) * 1e3)
-        s = statistics.median(steady)
-        rows.append(dict(M=m, first_ms=first, steady_ms=s, ratio=first / s))
+            hm.fused_experts(xm, w1, w2, tw, ti, quant=quant, backend=args.backend)
+            h = time.perf_counter()
+            torch.cuda.synchronize()
+            return (h - t) * 1e3, (time.perf_counter() - t) * 1e3
+        torch.cuda.synchronize()
+        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        first_host, first = once()
+        # cudaMalloc calls the caching allocator made during the first call (a size class the
+        # pool had no free block for).
+        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
+        steady = [once() for _ in range(args.reps)]
+        s = statistics.median(w for _, w in steady)
+        rows.append(dict(M=m, first_ms=first, steady_ms=s, ratio=first / s,
+                         first_host_ms=first_host,
+                         steady_host_ms=statistics.median(h for h, _ in steady),
+                         device_allocs=allocs))
     after = _compiled_variants()
     worst = max(rows, key=lambda r: r["ratio"])
     return dict(scheme=scheme, warmup_s=warm_s, warmup_compile_s=report.compile_s,
@@ -85,12 +90,13 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
                 worst_ratio=worst["ratio"], worst_m=worst["M"],
                 over_limit=sum(r["ratio"] > LIMIT for r in rows),
                 first_median_ms=statistics.median(r["first_ms"] for r in rows),
+                calls_with_alloc=sum(r["device_allocs"] > 0 for r in rows),
                 rows=rows)
 
 
 HEADERS = ["scheme", "warmup s (compile + run)", "kernels compiled by warmup",
            "classes per backend", "calls", "kernels compiled after", "worst first/steady",
-           f"calls > {LIMIT}x", "first-call median ms"]
+           f"calls > {LIMIT}x", "first-call median ms", "first calls with a cudaMalloc"]
 
 
 def cells(r: dict[str, Any], n: int) -> list[str]:
@@ -98,7 +104,7 @@ def cells(r: dict[str, Any], n: int) -> list[str]:
             f"{r['warmup_run_s']:.1f})", C.fmt(r["warmup_kernels"], "d"),
             ", ".join(f"{k} {v}" for k, v in r["classes"].items()), str(n),
             C.fmt(r["compiled_after"], "d"), f"{r['worst_ratio']:.2f} (M = {r['worst_m']})",
-            str(r["over_limit"]), f"{r['first_median_ms']:.3f}"]
+            str(r["over_limit"]), f"{r['first_median_ms']:.3f}", str(r["calls_with_alloc"])]
 
 
 def main(argv=None) -> int:
@@ -134,9 +140,20 @@ def main(argv=None) -> int:
     for r in results:
         top = sorted(r["rows"], key=lambda x: -x["ratio"])[:5]
         md += [f"## {r['scheme']}: the five slowest first calls relative to steady state", "",
-               C.markdown_table(["M", "first ms", "steady ms", "ratio"],
+               C.markdown_table(["M", "first ms", "steady ms", "ratio", "first host ms",
+                                 "steady host ms", "cudaMalloc in first call"],
                                 [[x["M"], f"{x['first_ms']:.3f}", f"{x['steady_ms']:.3f}",
-                                  f"{x['ratio']:.2f}"] for x in top]), ""]
+                                  f"{x['ratio']:.2f}", f"{x['first_host_ms']:.3f}",
+                                  f"{x['steady_host_ms']:.3f}", x["device_allocs"]]
+                                 for x in top]), ""]
+        slow = [x for x in r["rows"] if x["ratio"] > 1.2]
+        if slow:
+            md += [f"{r['scheme']}: of {len(slow)} first calls above 1.2x, "
+                   f"{sum(x['device_allocs'] > 0 for x in slow)} made a cudaMalloc; their host "
+                   f"time exceeded steady state by a median "
+                   f"{statistics.median(x['first_host_ms'] - x['steady_host_ms'] for x in slow):.3f}"
+                   f" ms, their wall time by "
+                   f"{statistics.median(x['first_ms'] - x['steady_ms'] for x in slow):.3f} ms.", ""]
     stem = f"{C.gpu_slug(env['gpu'])}_{args.tag}"
     md_path, js_path = C.write_results(args.out, stem, "\n".join(md),
                                        dict(env=env, args=vars(args), results=results))

@@ -237,8 +237,10 @@ def naive_layer(p: Problem) -> torch.Tensor:
     e_local, n1, _ = w1.shape
     inter_size = n1 // 2
     topk = p.topk_ids.shape[1]
-    g_experts = p.global_num_experts if p.global_num_experts != -1 else (
-        e_local if p.expert_map is None else p.expert_map.numel())
+    if p.expert_map is None:
+        g_experts = e_local  # every physical expert counts, whatever global_num_experts says
+    else:
+        g_experts = p.global_num_experts if p.global_num_experts != -1 else p.expert_map.numel()
 
     def deq(w, s):
         if q is None:
@@ -650,7 +652,8 @@ def _bad_cases():
         ("weights device", a(topk_weights=torch.ones(3, 2, device="meta")), "topk_weights"),
         ("activation", a(activation="gelu"), "activation"),
         ("on input topk 2", a(apply_router_weight_on_input=True), "apply_router_weight_on_input"),
-        ("global experts", a(global_num_experts=5), "global_num_experts"),
+        ("global experts 0", a(global_num_experts=0), "global_num_experts"),
+        ("global experts -2", a(global_num_experts=-2), "global_num_experts"),
         ("global experts type", a(global_num_experts=4.0), "global_num_experts"),
         ("expert_map length", a(expert_map=torch.zeros(3, dtype=torch.int32),
                                 global_num_experts=4), "expert_map"),

@@ -42,3 +42,45 @@ def test_resolve_leaves_other_configs_alone():
     w2 = torch.zeros(4, 32, 32, dtype=torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="w1_scale must have shape \\(num_experts,\\)"):
         plain.validate(w1, w2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["torch", "reference", "sm90", "triton"])
+@pytest.mark.parametrize("scheme", [None, "fp8_tensor"])
+def test_fused_shared_experts(device, backend, scheme):
+    """More physical experts than routed ones (global_num_experts < w1.size(0), no expert_map):
+    vLLM computes every physical expert, so the shared expert (id 8 of 9 here, routed 8) counts;
+    hopper_moe used to reject global_num_experts != E. A larger global_num_experts leaves ids
+    past E non-local."""
+    if backend not in api.available_backends(device):
+        pytest.skip(f"backend {backend} not available on {device}")
+    routed, physical, m, hidden, inter = 8, 9, 5, 128, 64
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(m, hidden, generator=g) / 4).to(torch.bfloat16)
+    w1 = torch.randn(physical, 2 * inter, hidden, generator=g) / 8
+    w2 = torch.randn(physical, hidden, inter, generator=g) / 8
+    quant = None
+    if scheme is not None:
+        s1, s2 = w1.abs().amax((1, 2)) / 448, w2.abs().amax((1, 2)) / 448
+        w1 = (w1 / s1[:, None, None]).to(torch.float8_e4m3fn)
+        w2 = (w2 / s2[:, None, None]).to(torch.float8_e4m3fn)
+        quant = hopper_moe.QuantConfig(s1.to(device), s2.to(device))
+    else:
+        w1, w2 = w1.to(torch.bfloat16), w2.to(torch.bfloat16)
+    ids = torch.tensor([[t % routed, routed] for t in range(m)], dtype=torch.int32)
+    weights = torch.tensor([[0.5, 1.0]] * m)
+    x, w1, w2, ids, weights = (t.to(device) for t in (x, w1, w2, ids, weights))
+    atol = 2e-2 if scheme is None else 5.5e-2
+    # The reference with all nine experts (global_num_experts = E).
+    want = hopper_moe.reference.fused_experts_ref(x, w1, w2, weights, ids, quant=quant)
+    got = hopper_moe.fused_experts(x, w1, w2, weights, ids, global_num_experts=routed,
+                                   quant=quant, backend=backend)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=1e-2)
+    # The shared expert's contribution is there (dropping it changes the output).
+    dropped = hopper_moe.reference.fused_experts_ref(
+        x, w1, w2, weights, torch.where(ids == routed, -1, ids), quant=quant)
+    assert not torch.allclose(got.float(), dropped.float(), atol=atol, rtol=1e-2)
+    # global_num_experts larger than E: ids in [E, global) are non-local (zero).
+    wide = hopper_moe.fused_experts(x, w1, w2, weights, ids.masked_fill(ids == routed, 11),
+                                    global_num_experts=12, quant=quant, backend=backend)
+    torch.testing.assert_close(wide.float(), dropped.float(), atol=atol, rtol=1e-2)

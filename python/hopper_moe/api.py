@@ -199,14 +199,14 @@ def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activa
         if expert_map.shape[0] != global_num_experts:
             _fail(f"expert_map must have global_num_experts = {global_num_experts} entries, got "
                   f"{expert_map.shape[0]}")
-    else:
-        if global_num_experts == -1:
-            global_num_experts = num_experts
-        if global_num_experts != num_experts:
-            _fail(f"global_num_experts must be -1 or num_experts = {num_experts} when "
-                  f"expert_map is None, got {global_num_experts}")
-    if global_num_experts < 1:
-        _fail(f"global_num_experts must be >= 1, got {global_num_experts}")
+    if global_num_experts != -1 and global_num_experts < 1:
+        _fail(f"global_num_experts must be -1 or >= 1, got {global_num_experts}")
+    if expert_map is None:
+        # As vLLM: without expert_map every physical expert of w1 is computed, whatever
+        # global_num_experts says. Fewer routed than physical experts is how engines fuse
+        # shared experts (ids in [global_num_experts, E) are the shared ones); a larger
+        # global_num_experts leaves ids in [E, global_num_experts) non-local (zero).
+        global_num_experts = num_experts
     return global_num_experts, quant
 
 
@@ -355,12 +355,14 @@ def fused_experts(
         w2: ``[E, H, I]``, K-contiguous, the dtype of w1.
         topk_weights: ``[M, topk]`` f32 (f16/bf16 accepted) routing weights.
         topk_ids: ``[M, topk]`` int32/int64 global expert ids. A slot counts only if
-            0 <= id < global_num_experts and (with expert_map) expert_map[id] is a local
-            expert in [0, E); other slots contribute zero.
+            (with expert_map) 0 <= id < global_num_experts and expert_map[id] is a local
+            expert in [0, E), or (without) 0 <= id < E; other slots contribute zero.
         activation: "silu" (SiLU(gate) * up).
         apply_router_weight_on_input: multiply the input row by its weight before GEMM1
             instead of the output (requires topk == 1).
         global_num_experts: number of global experts (-1: expert_map's length, else E).
+            Without expert_map it does not change the result (vLLM's rule): all E experts
+            of w1 are computed, also when fewer are routed (fused shared experts).
         expert_map: ``[global_num_experts]`` int32/int64, global id -> local id or -1.
         quant: FP8 scheme and scales (``hopper_moe.QuantConfig``); None = unquantized.
         backend: "auto", "torch", "reference", "triton" or "sm90" (alias "cute"; module

@@ -219,7 +219,10 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     mark = stage_done if stage_done is not None else (lambda name: None)
     num_tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
-    num_experts = w1.shape[0] if global_num_experts == -1 else global_num_experts
+    # Without expert_map every physical expert of w1 counts (vLLM's rule; fused shared experts
+    # are ids in [global_num_experts, E)).
+    num_experts = w1.shape[0] if global_num_experts == -1 or expert_map is None \
+        else global_num_experts
     inter2 = w1.shape[1]
     out_dtype = hidden_states.dtype
     if out is None:

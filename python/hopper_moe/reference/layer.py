@@ -134,8 +134,10 @@ def fused_experts_ref(
 
     hidden_states ``[M, H]``; w1 ``[E, 2I, H]`` (gate rows first, then up rows); w2
     ``[E, H, I]``; topk_weights ``[M, topk]``; topk_ids ``[M, topk]`` global expert ids.
-    A slot (t, k) counts only if 0 <= id < global_num_experts and (with expert_map)
-    expert_map[id] >= 0 (the local expert, < E); other slots contribute zero.
+    A slot (t, k) counts only if, with expert_map, 0 <= id < global_num_experts and
+    expert_map[id] >= 0 (the local expert, < E), or, without, 0 <= id < E (vLLM's rule: every
+    physical expert is computed whatever global_num_experts says, as fused shared experts
+    need); other slots contribute zero.
 
     out[t] = sum_k w[t,k] * (Q2(silu(Q1(x_t) @ g_e^T) * (Q1(x_t) @ u_e^T)) @ w2_e^T), where Q1,
     Q2 are the activation fp8 round trips of the scheme (identity without quant) and the
@@ -169,7 +171,7 @@ def fused_experts_ref(
     if apply_router_weight_on_input and topk != 1:
         raise RuntimeError("apply_router_weight_on_input requires topk == 1, "
                            f"got topk = {topk}")
-    if global_num_experts == -1:
+    if global_num_experts == -1 or expert_map is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
     device = hidden_states.device
 
