@@ -29,6 +29,11 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 gpu = pytest.mark.gpu
 
+# tests/vllm_compat holds the shim, skip table and summary of the run of vLLM's kernel tests
+# (tools/vllm_kernel_tests.sh), not tests of this suite. No conftest.py of its own: under
+# pytest-xdist a second module named `conftest` could be the one `from conftest import` finds.
+collect_ignore = ["vllm_compat"]
+
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # pytest-xdist: share the cores between the workers (each CPU reference would otherwise

@@ -22,6 +22,8 @@
 #   HOPPER_MOE_VLLM_SDIST=path    a vllm-0.33.0.tar.gz already downloaded (skips the download)
 #   HOPPER_MOE_VLLM_WHEEL=path    a local vllm-0.33.0 wheel to install instead of PyPI's
 #   PYTHON=python3.11             the interpreter for a new environment
+#   HOPPER_MOE_VLLM_OFFLINE=1     install nothing: the environment was made offline by
+#                                 tools/vllm_offline_env.sh (the machine's torch is used)
 #
 # The environment: torch 2.14.1 (vLLM pins 2.14.0; 2.14.1 is the version hopper_moe is built
 # against, the documented deviation), vLLM 0.33.0 with --no-deps, the pure-Python packages
@@ -70,13 +72,20 @@ pip_q() {
     -e "dependency resolver" || true
 }
 version_of() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
-[ "$(version_of torch)" = "$TORCH_VERSION" ] || pip_q "torch==$TORCH_VERSION"
-[ "$(version_of vllm)" = "$VLLM_VERSION" ] || pip_q --no-deps "${HOPPER_MOE_VLLM_WHEEL:-vllm==$VLLM_VERSION}"
-[ -n "$(version_of pytest-xdist)" ] || pip_q pytest pytest-xdist
+if [ "${HOPPER_MOE_VLLM_OFFLINE:-0}" = 1 ]; then
+  # An environment made without network by tools/vllm_offline_env.sh: nothing is installed,
+  # the torch it sees is the machine's own (the version is printed below).
+  [ "$(version_of vllm)" = "$VLLM_VERSION" ] || { say "vllm $VLLM_VERSION missing in $VENV"; exit 1; }
+  touch "$VENV/.vllm_kt_deps"
+else
+  [ "$(version_of torch)" = "$TORCH_VERSION" ] || pip_q "torch==$TORCH_VERSION"
+  [ "$(version_of vllm)" = "$VLLM_VERSION" ] || pip_q --no-deps "${HOPPER_MOE_VLLM_WHEEL:-vllm==$VLLM_VERSION}"
+  [ -n "$(version_of pytest-xdist)" ] || pip_q pytest pytest-xdist
+fi
 # Imported by vLLM's MoE/quantization modules and by the tests' helpers (tblib: the tests'
 # utils); versions as vLLM's metadata states them.
 VLLM_DEPS="packaging psutil pyzmq urllib3 regex numpy pydantic cbor2 transformers aiohttp
-requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo
+requests oss-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo
 prometheus_client fastapi partial-json-parser einops xgrammar llguidance tblib"
 if [ ! -f "$VENV/.vllm_kt_deps" ]; then
   # shellcheck disable=SC2086

@@ -271,9 +271,19 @@ if _DEVICE == "cpu":
         def supports_fp8(cls) -> bool:
             return True
 
+    import sys
+
     import vllm.platforms as _platforms
 
-    _platforms._current_platform = HopperMoeCpuShimPlatform()
+    detected = _platforms._current_platform
+    shim = HopperMoeCpuShimPlatform()
+    _platforms._current_platform = shim
+    # Modules imported above bound `current_platform` by name (vllm._custom_ops,
+    # grouped_topk's dispatch, ...): point them at the shim's platform too.
+    for _name, _module in list(sys.modules.items()):
+        if (_name.startswith("vllm.") and detected is not None
+                and getattr(_module, "current_platform", None) is detected):
+            _module.current_platform = shim
 
 
 # ------------------------------------------------------------------------------- 2. layer
