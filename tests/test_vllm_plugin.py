@@ -662,6 +662,53 @@ def test_fused_moe_kernel_matches_the_reference(scheme, variant, warmups):
     check_close(out, reference(layer), scheme)
 
 
+def layer_to(layer: Layer, device: str) -> Layer:
+    """The same layer with every tensor (scales included) on `device`."""
+    def move(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    q = layer.quant
+    if q is not None:
+        q = dataclasses.replace(q, w1_scale=move(q.w1_scale), w2_scale=move(q.w2_scale),
+                                a1_scale=move(q.a1_scale), a2_scale=move(q.a2_scale))
+    return dataclasses.replace(layer, x=move(layer.x), w1=move(layer.w1), w2=move(layer.w2),
+                               weights=move(layer.weights), ids=move(layer.ids), quant=q,
+                               vllm_quant=_vllm_quant(q), expert_map=move(layer.expert_map))
+
+
+@needs_vllm
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_moe_kernel_on_the_gpu_matches_the_reference(scheme, variant, warmups):
+    """vLLM's modular kernel with HopperMoeExperts on CUDA tensors: hopper_moe's GPU kernels
+    (the backend `auto` picks) under vLLM's prepare/finalize; the reference runs on the CPU.
+    vLLM's platform stays its CPU one (its compiled CUDA ops are not needed: the experts are
+    hopper_moe's)."""
+    layer = make_layer(scheme, variant)
+    on_gpu = layer_to(layer, "cuda")
+    out = run_kernel(vllm_kernel(on_gpu), on_gpu)
+    assert out.is_cuda
+    out, ref = out.cpu(), reference(layer)
+    if scheme == "bf16":
+        check_close(out, ref, scheme)
+        return
+    # FP8 on another device than the reference: a GEMM1 output one bf16 rounding away can
+    # requantize an intermediate element to the neighbouring FP8 code; the project's rule for
+    # that (tests/test_fused_moe.py: a few elements up to REQUANT_SLACK x the tolerance, at
+    # most REQUANT_MAX_FRACTION of them), the norm ratio as strict as on the CPU.
+    from test_fused_moe import REQUANT_MAX_FRACTION, REQUANT_SLACK
+
+    atol, rtol = TOL[scheme.replace("_static", "").replace("_dynamic", "").replace(
+        "fp8_tensor_token", "fp8_channel")]
+    diff, tol = (out.float() - ref.float()).abs(), atol + rtol * ref.float().abs()
+    assert (diff / tol).max().item() <= REQUANT_SLACK, (diff / tol).max().item()
+    assert int((diff > tol).sum()) <= max(2, REQUANT_MAX_FRACTION * ref.numel())
+    ratio = out.float().pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()
+    assert 0.9 < ratio < 1.1, ratio
+
+
 @needs_vllm
 def test_router_weight_is_applied_exactly_once(warmups):
     """The check above can fail: weighing the output again (or not scaling the input) moves

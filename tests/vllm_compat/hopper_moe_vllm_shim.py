@@ -19,7 +19,9 @@ redirection below is in place before a vLLM test module is imported. What it doe
    that reports CUDA SM 9.0 and a torch function mode that maps every ``cuda`` device a
    tensor is made on or moved to onto the CPU, plus no-op stand-ins for the torch.cuda
    calls the tests make (synchronize, seeds, streams, events, memory queries).
-   With ``HOPPER_MOE_VLLM_DEVICE=cuda`` (a GPU machine) only 1 and 2 apply.
+   With ``HOPPER_MOE_VLLM_DEVICE=cuda`` (a GPU machine) tensors stay on the GPU: vLLM is
+   imported on its CPU platform (so none of vLLM's compiled CUDA extensions is needed) and the
+   same CUDA SM 9.0 platform is swapped in, backed by the real device.
 4. Skips. Tests listed in skips.py (features hopper_moe does not claim) are marked skipped,
    each with the reason from the table.
 """
@@ -101,6 +103,13 @@ class _RedirectNamespace:
     def __repr__(self):
         return f"<torch.ops.{self._name} redirected to torch.ops.hopper_moe>"
 
+
+if _DEVICE == "cuda":
+    # vLLM's CUDA platform loads vLLM's compiled CUDA extensions (its ops, flash attention), which
+    # a Python-only vLLM does not have and the tests here do not need (the ops under test are
+    # hopper_moe's): vLLM is imported on its CPU platform, and the platform the tests see is
+    # swapped in below, as in the CPU run.
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 # vllm._custom_ops registers fake kernels for vLLM's own op names at import (only where they
 # exist): imported before the namespaces are swapped.
@@ -212,78 +221,87 @@ if _DEVICE == "cpu":
     }.items():
         setattr(_cuda, _name, _value)
 
-    # vLLM's modules, imported while vLLM still sees the platform it detected: imported with
-    # the CUDA platform below they would load CUDA-only extensions (flash attention, ...).
-    import importlib
 
-    for _mod in _PREIMPORT:
-        importlib.import_module(_mod)
+# vLLM's modules, imported while vLLM still sees the platform it detected: imported with
+# the CUDA platform below they would load CUDA-only extensions (flash attention, ...).
+import importlib
 
-    from vllm.platforms import interface as _pi
+for _mod in _PREIMPORT:
+    importlib.import_module(_mod)
 
-    class HopperMoeCpuShimPlatform(_pi.Platform):
-        """What vLLM's tests see: a CUDA SM 9.0 platform (tensors live on the CPU)."""
+from vllm.platforms import interface as _pi
 
-        _enum = _pi.PlatformEnum.CUDA
-        device_name = "cuda"
-        device_type = "cuda"
-        dispatch_key = "CPU"
-        ray_device_key = ""
-        dist_backend = "gloo"
 
-        @classmethod
-        def get_device_capability(cls, device_id: int = 0):
-            return _pi.DeviceCapability(major=9, minor=0)
+class HopperMoeShimPlatform(_pi.Platform):
+    """What vLLM's tests see: a CUDA SM 9.0 platform. In the CPU run tensors live on the CPU;
+    in the CUDA run on the GPU (vLLM detected its CPU platform at import, so that none of its
+    compiled CUDA extensions is loaded; the ops under test are hopper_moe's)."""
 
-        @classmethod
-        def get_device_name(cls, device_id: int = 0) -> str:
-            return "NVIDIA H200 (hopper_moe CPU shim)"
+    _enum = _pi.PlatformEnum.CUDA
+    device_name = "cuda"
+    device_type = "cuda"
+    dispatch_key = "CPU" if _DEVICE == "cpu" else "CUDA"
+    ray_device_key = ""
+    dist_backend = "gloo"
 
-        @classmethod
-        def get_device_total_memory(cls, device_id: int = 0) -> int:
-            return 141 * (1 << 30)
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0):
+        return _pi.DeviceCapability(major=9, minor=0)
 
-        @classmethod
-        def is_pin_memory_available(cls) -> bool:
-            return False
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        if _DEVICE == "cuda":
+            return torch.cuda.get_device_name(device_id)
+        return "NVIDIA H200 (hopper_moe CPU shim)"
 
-        @classmethod
-        def get_current_memory_usage(cls, device=None) -> float:
-            return 0.0
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return 141 * (1 << 30)
 
-        @classmethod
-        def set_device(cls, device) -> None:
-            pass
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return _DEVICE == "cuda"
 
-        @classmethod
-        def manual_seed_all(cls, seed: int) -> None:
-            torch.manual_seed(seed)
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return float(torch.cuda.memory_allocated(device)) if _DEVICE == "cuda" else 0.0
 
-        @classmethod
-        def is_fp8_fnuz(cls) -> bool:
-            return False
+    @classmethod
+    def set_device(cls, device) -> None:
+        if _DEVICE == "cuda":
+            torch.cuda.set_device(device)
 
-        @classmethod
-        def fp8_dtype(cls) -> torch.dtype:
-            return torch.float8_e4m3fn
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+        if _DEVICE == "cuda":
+            torch.cuda.manual_seed_all(seed)
 
-        @classmethod
-        def supports_fp8(cls) -> bool:
-            return True
+    @classmethod
+    def is_fp8_fnuz(cls) -> bool:
+        return False
 
-    import sys
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype:
+        return torch.float8_e4m3fn
 
-    import vllm.platforms as _platforms
+    @classmethod
+    def supports_fp8(cls) -> bool:
+        return True
 
-    detected = _platforms._current_platform
-    shim = HopperMoeCpuShimPlatform()
-    _platforms._current_platform = shim
-    # Modules imported above bound `current_platform` by name (vllm._custom_ops,
-    # grouped_topk's dispatch, ...): point them at the shim's platform too.
-    for _name, _module in list(sys.modules.items()):
-        if (_name.startswith("vllm.") and detected is not None
-                and getattr(_module, "current_platform", None) is detected):
-            _module.current_platform = shim
+import sys
+
+import vllm.platforms as _platforms
+
+detected = _platforms._current_platform
+shim = HopperMoeShimPlatform()
+_platforms._current_platform = shim
+# Modules imported above bound `current_platform` by name (vllm._custom_ops,
+# grouped_topk's dispatch, ...): point them at the shim's platform too.
+for _name, _module in list(sys.modules.items()):
+    if (_name.startswith("vllm.") and detected is not None
+            and getattr(_module, "current_platform", None) is detected):
+        _module.current_platform = shim
 
 
 # ------------------------------------------------------------------------------- 2. layer
@@ -368,7 +386,7 @@ def pytest_collection_modifyitems(config, items):
         nodeid = item.nodeid
         if "tests/kernels/" in nodeid:  # relative to the sdist root, whatever pytest's rootdir
             nodeid = "tests/kernels/" + nodeid.split("tests/kernels/", 1)[1]
-        reason = _skips.reason_for(nodeid)
+        reason = _skips.reason_for(nodeid, _DEVICE)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"hopper_moe: {reason}"))
 
