@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from conftest import gpu, seeded
+from conftest import DEVICES, gpu, seeded
 from test_heuristics import TILES, rule_k_splits, rule_swap_ab, rule_token_tile
 
 from hopper_moe import ops, reference
@@ -84,9 +84,8 @@ def make_problem(counts, n, k, dtype="bf16", a_mode="tensor", b_mode="tensor", s
             sb.float().to(device))
 
 
-def run(a, b, offs, sa, sb, config=""):
-    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16,
-                     device=a.device)
+def run(a, b, offs, sa, sb, config="", out_dtype=torch.bfloat16):
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype, device=a.device)
     return ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, config=config)
 
 
@@ -119,6 +118,34 @@ def test_cpu_matches_reference(case, scheme):
     check_against_reference(out, a, b, offs, sa, sb)
 
 
+# fp16 outputs: the fp32 sums rounded once to fp16 (2^-11 relative half-ulp), where bf16 rounds
+# to 2^-9; fp8 operands leave headroom for the tensor cores' accumulation order.
+FP16_TOL = {"bf16": dict(atol=2e-4, rtol=1.5e-3), "fp8": dict(atol=1e-3, rtol=2e-3)}
+
+
+def check_fp16_out(out16, a, b, offs, sa, sb):
+    """out16 (an fp16 out) against the fp32 reference at fp16's rounding, and with fp16's
+    precision: a result rounded to bf16 on the way (8 significant bits) would be exactly
+    representable in bf16, which fp16 values (11 bits) mostly are not."""
+    assert out16.dtype == torch.float16
+    tol = FP16_TOL["bf16" if a.dtype == torch.bfloat16 else "fp8"]
+    check_against_reference(out16, a, b, offs, sa, sb, **tol)
+    o = out16.float().cpu()
+    o = o[~torch.isnan(o) & (o != 0)]
+    if o.numel() >= 64:
+        in_bf16 = (o.bfloat16().float() == o).float().mean().item()
+        assert in_bf16 < 0.5, f"{in_bf16:.0%} of the fp16 outputs hold only bf16's precision"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("scheme", [("bf16", "tensor", "tensor"), ("fp8", "tensor", "tensor"),
+                                    ("fp8", "token", "channel")])
+def test_cpu_fp16_out_matches_reference(case, scheme):
+    dtype, a_mode, b_mode = scheme
+    a, b, offs, sa, sb = make_problem(**case, dtype=dtype, a_mode=a_mode, b_mode=b_mode)
+    check_fp16_out(run(a, b, offs, sa, sb, out_dtype=torch.float16), a, b, offs, sa, sb)
+
+
 def test_cpu_offsets_are_clamped():
     a, b, _, _, _ = make_problem([4, 4], 32, 64)
     for offs in ([-5, 3, 100], [0, 6, 2], [2, 2, 8]):
@@ -135,7 +162,8 @@ def _bad_calls():
     return [
         ("a", lambda: call(out, a.float(), b, offs, None, None)),
         ("b", lambda: call(out, a, b.half(), offs, None, None)),
-        ("out", lambda: call(out.float(), a, b, offs, None, None)),
+        ("out must have dtype BFloat16 or Half \\(got Float\\)",
+         lambda: call(out.float(), a, b, offs, None, None)),
         ("expert_offsets", lambda: call(out, a, b, offs.int(), None, None)),
         ("expert_offsets", lambda: call(out, a, b, offs[:2], None, None)),
         ("b", lambda: call(out, a, b[:, :, :32].contiguous(), offs, None, None)),
@@ -233,16 +261,22 @@ def cutlass_args(topk_ids, n, k, per_act_token, per_out_ch, seed=0, device="cpu"
 @pytest.mark.parametrize("per_act_token,per_out_ch", [(False, False), (True, True),
                                                       (False, True)])
 @pytest.mark.parametrize("num_tokens,topk", [(1, 2), (5, 4), (16, 4), (40, 2), (100, 3)])
-def test_cutlass_moe_mm_cpu_matches_reference(num_tokens, topk, per_act_token, per_out_ch):
-    """M_tot = num_tokens * topk on both sides of 64: swapped and plain problem sizes."""
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cutlass_moe_mm_cpu_matches_reference(num_tokens, topk, per_act_token, per_out_ch,
+                                              out_dtype):
+    """M_tot = num_tokens * topk on both sides of 64: swapped and plain problem sizes; bf16
+    and fp16 outputs (vLLM's two), fp16 at its own rounding."""
     g = seeded(num_tokens)
     topk_ids = torch.stack([torch.randperm(8, generator=g)[:topk] for _ in range(num_tokens)])
     topk_ids = topk_ids.int()
     args, offs = cutlass_args(topk_ids, 64, 128, per_act_token, per_out_ch, seed=topk)
     a, b = args[0], args[1]
-    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype)
     ops.cutlass_moe_mm(out, *args)
-    check_against_reference(out, a, b, offs, args[2], args[3])
+    if out_dtype == torch.float16:
+        check_fp16_out(out, a, b, offs, args[2], args[3])
+    else:
+        check_against_reference(out, a, b, offs, args[2], args[3])
     assert not torch.isnan(out.float()).any()  # the groups tile every row
 
 
@@ -279,7 +313,8 @@ def _cutlass_bad_calls():
     return [
         ("a_tensors", with_(a_tensors=a.float())),
         ("b_tensors", with_(b_tensors=b.float())),
-        ("out_tensors", with_(out=out.half())),
+        ("out_tensors must have dtype BFloat16 or Half \\(got Float\\)",
+         with_(out=out.float())),
         ("out_tensors", with_(out=out[:3])),
         ("a_tensors", with_(a_tensors=a[:, :32].contiguous())),
         ("expert_offsets", with_(expert_offsets=offs[:3])),
@@ -602,10 +637,73 @@ def test_cuda_graph_replay_with_new_offsets(n, k, splits, replays, pair):
 
 @gpu
 @sm90
+@SCHEMES
+def test_cuda_fp16_out(dtype, a_mode, b_mode):
+    """fp16 outputs through every store path of the one set of instantiations (the output
+    dtype is a runtime flag of the epilogue): each swap-AB token tile, the warpgroup pair, the
+    standard mapping, K splits (the reduce kernel's stores, unpaired, paired and standard),
+    element stores (N not a multiple of 8; an output row stride that is not either, whose
+    extra columns stay untouched). Each against the fp32 reference at fp16's rounding and
+    precision; the bf16 output of the same launch stays bf16."""
+    kernel_dtype = "bf16" if dtype == "bf16" else "e4m3"
+    k = 1032 if dtype == "bf16" else 1040
+    rng = random.Random(31)
+    problems = []
+    for tile in TILES[kernel_dtype]:
+        counts = [0] * 16
+        for _ in range(8 * tile):
+            counts[rng.randrange(1, 15)] += 1
+        problems.append((counts, 200, k, "", 0))
+    problems += [
+        ([3, 0, 5, 1], 64, 128, "pair=1", 0),
+        ([300, 0, 129, 513, 0, 7], 200, k, "", 0),  # standard by the heuristic
+        ([300, 0, 129, 513], 200, k, "mapping=standard", 0),
+        ([5, 0, 40, 1, 17], 520, 4112, "pair=0,k_splits=3", 0),
+        ([5, 0, 40, 1, 17], 520, 4112, "pair=1,k_splits=3", 0),
+        ([300, 0, 129], 200, k, "mapping=standard,k_splits=2", 0),
+        ([17, 0, 4], 100, 256, "", 0),              # element stores: N % 8 != 0
+        ([17, 0, 4], 100, 256, "k_splits=2", 0),
+        ([9, 30, 2], 256, 512, "", 3),              # element stores: row stride 259
+        ([9, 30, 2], 256, 512, "k_splits=2", 3),
+    ]
+    failures = []
+    for counts, n, kk, config, pad in problems:
+        a, b, offs, sa, sb = make_problem(counts, n, kk, dtype, a_mode, b_mode, seed=n + kk,
+                                          device="cuda")
+        buf = torch.full((a.shape[0], n + pad), float("nan"), dtype=torch.float16,
+                         device="cuda")
+        out = buf[:, :n]
+        ops.moe_grouped_gemm(a, b, offs, sa, sb, out=out, config=config)
+        try:
+            assert torch.isnan(buf[:, n:]).all(), "columns past N stay untouched"
+            check_fp16_out(out, a, b, offs, sa, sb)
+            out_bf16 = run(a, b, offs, sa, sb, config)
+            assert out_bf16.dtype == torch.bfloat16
+            check_against_reference(out_bf16, a, b, offs, sa, sb)
+        except AssertionError as err:
+            failures.append(f"counts={counts} N={n} K={kk} config={config!r} pad={pad}: "
+                            f"{str(err).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_rejects_fp16_out(device):
+    """fp16 is a plain-store output: the SiLU*mul epilogue writes bf16 or e4m3 only."""
+    a, b, offs, _, _ = make_problem([2, 3], 64, 64, device=device)
+    out = torch.empty(5, 32, dtype=torch.float16, device=device)
+    with pytest.raises(RuntimeError, match="out must be BFloat16 without out_scale"):
+        torch.ops.hopper_moe.moe_grouped_gemm_silu_mul(out, a, b, offs, None, None, None)
+
+
+@gpu
+@sm90
 @pytest.mark.parametrize("per_act_token,per_out_ch", [(False, False), (True, True)])
-def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch):
-    """The vLLM entry on the kernel, swapped (M_tot <= 64) and plain problem sizes: equal to
-    the CPU definition up to accumulation order, and rows of every group written."""
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch, out_dtype):
+    """The vLLM entry on the kernel, swapped (M_tot <= 64) and plain problem sizes, bf16 and
+    fp16 outputs: equal to the CPU definition up to accumulation order (fp16 at its own
+    rounding, and against the fp32 reference), and rows of every group written."""
+    fp16 = out_dtype == torch.float16
     for num_tokens, topk, e, n, k in ((1, 2, 8, 256, 512), (16, 4, 8, 128, 256),
                                       (33, 2, 64, 512, 128), (300, 8, 128, 256, 384)):
         g = seeded(num_tokens)
@@ -613,7 +711,7 @@ def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch):
                                 for _ in range(num_tokens)]).int()
         args, offs = cutlass_args(topk_ids, n, k, per_act_token, per_out_ch, seed=e,
                                   num_experts=e)
-        out_cpu = torch.full((args[0].shape[0], n), float("nan"), dtype=torch.bfloat16)
+        out_cpu = torch.full((args[0].shape[0], n), float("nan"), dtype=out_dtype)
         ops.cutlass_moe_mm(out_cpu, *args)
         cuda_args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in args]
         cuda_args[5] = torch.empty_like(cuda_args[5])  # the device's own problem sizes
@@ -628,8 +726,11 @@ def test_cuda_cutlass_moe_mm_matches_cpu(per_act_token, per_out_ch):
         cuda_args[4] = offsets[:-1]
         out = torch.full_like(out_cpu, float("nan"), device="cuda")
         ops.cutlass_moe_mm(out, *cuda_args)
-        torch.testing.assert_close(out.float().cpu(), out_cpu.float(), atol=2e-2, rtol=1e-2)
+        tol = FP16_TOL["fp8"] if fp16 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(out.float().cpu(), out_cpu.float(), **tol)
         assert not torch.isnan(out.float()).any()
+        if fp16:
+            check_fp16_out(out, args[0], args[1], offs, args[2], args[3])
 
 
 

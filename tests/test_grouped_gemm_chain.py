@@ -107,6 +107,8 @@ def _bad_calls():
         ("h_scale", lambda: CHAIN(out, h8, aq, w1q, w2q, offs, sa, s1, None, s2)),
         ("w2_scales are required", lambda: CHAIN(out, h8, aq, w1q, w2q, offs, sa, s1, hs, None)),
         ("h must be BFloat16", lambda: CHAIN(out, h8, a, w1, w2, offs, None, None, None, None)),
+        ("GEMM2 .*out must have dtype BFloat16 \\(got Half\\)",
+         lambda: CHAIN(out.half(), h, a, w1, w2, offs, None, None, None, None)),
         ("h_scale and w2_scales must be None",
          lambda: CHAIN(out, h, a, w1, w2, offs, None, None, torch.ones(1), None)),
         ("w2.size\\(0\\) must be E",

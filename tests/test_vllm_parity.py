@@ -12,6 +12,9 @@ from hopper_moe import api
 
 from conftest import DEVICES
 from test_fused_moe import make_problem, run
+from test_grouped_gemm import check_fp16_out, cutlass_args
+from test_permute import assert_same, check_align_invariants, cpu_all, run_align
+from hopper_moe.reference import permute as ref_permute
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,3 +87,58 @@ def test_fused_shared_experts(device, backend, scheme):
     wide = hopper_moe.fused_experts(x, w1, w2, weights, ids.masked_fill(ids == routed, 11),
                                     global_num_experts=12, quant=quant, backend=backend)
     torch.testing.assert_close(wide.float(), dropped.float(), atol=atol, rtol=1e-2)
+
+
+def _cutlass_device_ok(device: str) -> bool:
+    return device == "cpu" or torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens", [5, 40])  # M_tot 20 (swapped sizes) and 80
+@pytest.mark.parametrize("per_act_token,per_out_ch", [(False, False), (True, True)])
+def test_cutlass_moe_mm_fp16_out(device, num_tokens, per_act_token, per_out_ch):
+    """cutlass_moe_mm writes fp16 outputs as vLLM's does (bf16 or fp16 out_tensors), where it
+    used to reject them: the fp32 sums rounded once to fp16."""
+    if not _cutlass_device_ok(device):
+        pytest.skip("the CUDA kernel is sm_90a code")
+    g = torch.Generator().manual_seed(num_tokens)
+    topk_ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(num_tokens)]).int()
+    args, offs = cutlass_args(topk_ids, 128, 256, per_act_token, per_out_ch, seed=num_tokens,
+                              num_experts=8)
+    args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in args]
+    out = torch.full((args[0].shape[0], 128), float("nan"), dtype=torch.float16, device=device)
+    hopper_moe.ops.cutlass_moe_mm(out, *args)
+    assert not torch.isnan(out).any()
+    check_fp16_out(out, args[0], args[1], offs, args[2], args[3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_experts,num_tokens", [(32, 8), (256, 8), (256, 1024)])
+@pytest.mark.parametrize("use_expert_map", [False, True])
+def test_align_scatter_idx_masks_invalid_routes(device, num_experts, num_tokens,
+                                                use_expert_map):
+    """moe_align_block_size's scatter_idx means what vLLM's means: the routed slot's own index,
+    -1 for an id outside [0, num_experts) or a non-local expert (hopper_moe used to return the
+    slot's position in sorted_token_ids). The other outputs equal a call without scatter_idx
+    and the reference; every valid slot is placed once."""
+    ids = (torch.arange(num_tokens * 4) % num_experts).reshape(-1, 4).to(torch.int32)
+    ids[0] = torch.tensor([-1, num_experts, 0, 1])
+    valid = (ids >= 0) & (ids < num_experts)
+    emap = None
+    if use_expert_map:
+        emap = torch.full((num_experts,), -1, dtype=torch.int32)
+        emap[::2] = torch.arange(num_experts // 2, dtype=torch.int32)
+        valid &= ids % 2 == 0
+    ids_d = ids.to(device)
+    emap_d = None if emap is None else emap.to(device)
+    got = cpu_all(run_align(ids_d, num_experts, 32, emap_d))
+    want = torch.where(valid.flatten(), torch.arange(ids.numel()), -1).to(torch.int32)
+    assert torch.equal(got[3], want)
+    baseline = cpu_all(run_align(ids_d, num_experts, 32, emap_d, with_scatter=False))
+    for a, b in zip(got[:3], baseline[:3]):
+        assert_same(a, b)
+    for a, b, name in zip(got, ref_permute.moe_align_block_size(ids, num_experts, 32, emap),
+                          ["sorted_token_ids", "experts_ids", "num_tokens_post_pad",
+                           "scatter_idx"]):
+        assert_same(a, b, name)
+    check_align_invariants(ids, num_experts, 32, emap, got)

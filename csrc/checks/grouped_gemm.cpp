@@ -87,11 +87,15 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
   }
 }
 
-// out [M, N] bf16, the operands as check_operands says.
+// out [M, N] bf16, or fp16 where fp16_out allows it; the operands as check_operands says.
 void check_gemm(const char* kOp, const at::Tensor& out, const at::Tensor& a,
                 const at::Tensor& b, const at::Tensor& expert_offsets,
-                const OptTensor& a_scales, const OptTensor& b_scales) {
-  HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
+                const OptTensor& a_scales, const OptTensor& b_scales, bool fp16_out) {
+  if (fp16_out) {
+    HM_CHECK_DTYPE(kOp, out, {at::kBFloat16, at::kHalf});
+  } else {
+    HM_CHECK_DTYPE(kOp, out, at::kBFloat16);
+  }
   HM_CHECK_DIM(kOp, b, 3);
   check_operands(kOp, out, b.size(1), a, b, expert_offsets, a_scales, b_scales);
 }
@@ -194,7 +198,8 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const at::Tensor& expert_offsets, const OptTensor& a_scales,
                       const OptTensor& b_scales, bool /*offsets_ready*/,
                       c10::string_view config) {
-  check_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales);
+  check_gemm("moe_grouped_gemm", out, a, b, expert_offsets, a_scales, b_scales,
+             /*fp16_out=*/true);
   grouped_gemm_config("moe_grouped_gemm", config);
 }
 
@@ -255,11 +260,11 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
                       h, a, w1, expert_offsets, a_scales, w1_scales, h_scale, std::nullopt);
   check_gemm("moe_grouped_gemm_chain, GEMM2 (a = h, b = w2, a_scales = h_scale, "
              "b_scales = w2_scales)",
-             out, h, w2, expert_offsets, h_scale, w2_scales);
+             out, h, w2, expert_offsets, h_scale, w2_scales, /*fp16_out=*/false);
 }
 
 // cutlass_moe_mm (vLLM's schema; row ranges in gemm/cutlass_moe_mm_args.h): out_tensors
-// [M_tot, N] bf16; a_tensors [M_tot, K] e4m3; b_tensors [E, N, K] e4m3 contiguous;
+// [M_tot, N] bf16 or fp16; a_tensors [M_tot, K] e4m3; b_tensors [E, N, K] e4m3 contiguous;
 // a_scales f32 [1] (per_act_token false) or M_tot values; b_scales f32 [E] (per_out_ch false)
 // or [E, N] / [E, N, 1]; expert_offsets int32/int64 [E]; problem_sizes int32 [E, 3];
 // a_strides / b_strides / c_strides int64 [E] (vLLM passes the dense leading dimensions; the
@@ -272,7 +277,7 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                     bool per_act_token, bool per_out_ch) {
   constexpr const char* kOp = "cutlass_moe_mm";
   check_dtype_named(kOp, a_tensors, "a_tensors", at::kFloat8_e4m3fn);
-  check_dtype_named(kOp, out_tensors, "out_tensors", at::kBFloat16);  // Half: not yet
+  check_dtype_named(kOp, out_tensors, "out_tensors", {at::kBFloat16, at::kHalf});
   HM_CHECK(kOp, b_tensors.dim() == 3, "b_tensors must be [E, N, K], got ", b_tensors.sizes());
   const int64_t e = b_tensors.size(0);
   HM_CHECK(kOp, expert_offsets.dim() == 1 && expert_offsets.numel() == e,

@@ -2,7 +2,7 @@
 //
 //   out[r, n] = sa(r) * sb(e, n) * sum_k a[r, k] * b[e, n, k]   for offsets[e] <= r < offsets[e+1]
 //
-// in fp32, rounded once to bf16. Each expert's range is clamped: begin into [0, M], end into
+// in fp32, rounded once to out's dtype (bf16, or fp16). Each expert's range is clamped: begin into [0, M], end into
 // [begin, M] (the CUDA kernel clamps the same way, so no offset can make it touch memory
 // outside out). Offsets are meant to be non-decreasing (as moe_permute and
 // get_cutlass_moe_mm_data produce them); rows in no range are left untouched, rows in two

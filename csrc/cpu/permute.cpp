@@ -83,7 +83,9 @@ void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64
     const int64_t e = expert[i];
     const int64_t pos = e >= 0 ? cursor[e]++ : -1;
     if (e >= 0) sorted[pos] = static_cast<int32_t>(i);
-    if (scatter) scatter[i] = static_cast<int32_t>(pos);
+    // scatter_idx: the slot's own index where it is placed, -1 where it is skipped (vLLM's
+    // masked identity of the routed rows).
+    if (scatter) scatter[i] = e >= 0 ? static_cast<int32_t>(i) : -1;
   }
   for (int64_t e = 0; e < num_experts; ++e) {
     for (int64_t b = seg[e] / block_size; b < seg[e + 1] / block_size; ++b) {

@@ -73,6 +73,7 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
     args.b_mode = b_scales->numel() == b.size(0) ? gemm::ScaleMode::kPerTensor
                                                   : gemm::ScaleMode::kPerRow;
   }
+  args.out_fp16 = !silu_mul && out.scalar_type() == at::kHalf;
   args.silu_mul = silu_mul;
   args.act_n = silu_mul ? int(b.size(1) / 2) : 0;
   args.out_scale = out_scale ? out_scale->data_ptr<float>() : nullptr;

@@ -276,7 +276,7 @@ def cutlass_moe_mm(out_tensors: torch.Tensor, a_tensors: torch.Tensor, b_tensors
     """FP8 grouped GEMM with vLLM's arguments: for each expert e, out_tensors rows
     [expert_offsets[e], expert_offsets[e+1]) (the last group ends after its problem size's
     row count, read swapped when M_tot <= 64) = a_scale * b_scale * a_tensors . b_tensors[e]^T.
-    a e4m3 [M_tot, K], b e4m3 [E, N, K], out bf16 [M_tot, N]. Runs the SM90 kernel of
+    a e4m3 [M_tot, K], b e4m3 [E, N, K], out bf16 or fp16 [M_tot, N]. Runs the SM90 kernel of
     moe_grouped_gemm on CUDA."""
     _ops.cutlass_moe_mm(out_tensors, a_tensors, b_tensors, a_scales, b_scales, expert_offsets,
                         problem_sizes, a_strides, b_strides, c_strides, per_act_token,
@@ -291,7 +291,8 @@ def moe_grouped_gemm(a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Ten
 
     a [M, K] bf16 or fp8 e4m3 (rows grouped by expert), b [E, N, K] (a's dtype),
     expert_offsets int64 [E + 1]; fp8 needs a_scales f32 ([1] or [M]) and b_scales f32
-    ([E] or [E, N]). Returns out [M, N] bf16 (rows outside every expert are not written).
+    ([E] or [E, N]). Returns out [M, N] (rows outside every expert are not written): bf16,
+    or the given out's dtype, bf16 or fp16 (the fp32 sums rounded once to it).
     On CUDA it runs the SM90 kernel (H100/H200 only; other GPUs get a RuntimeError).
     offsets_ready=True promises that the kernel launched just before on the stream does not
     write expert_offsets: the GEMM then reads them, and starts streaming weights, while that

@@ -48,7 +48,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
       padding positions and the tail after the last segment hold numel;
     - experts_ids[b] = the local expert of block b, -1 for blocks at or past the padded total;
     - num_tokens_post_pad = the padded total;
-    - scatter_idx[i] = position of slot i in sorted_token_ids, -1 for a skipped slot.
+    - scatter_idx[i] = i for a placed slot, -1 for a skipped one (vLLM's masked identity of
+      the routed rows; a placed slot's position is where sorted_token_ids holds i).
     Skipped slots: id outside [0, num_experts), or expert_map[id] outside [0, num_experts)
     (-1 marks a non-local expert; vLLM filters them the same way).
     """
@@ -70,7 +71,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_size: i
             continue
         positions = torch.arange(start, start + n)
         sorted_token_ids[positions] = slots.to(torch.int32)
-        scatter_idx[slots] = positions.to(torch.int32)
+        scatter_idx[slots] = slots.to(torch.int32)
         padded = (n + block_size - 1) // block_size * block_size
         experts_ids[start // block_size:(start + padded) // block_size] = e
         start += padded

@@ -105,7 +105,7 @@ struct MoeGemmConfig {
 };
 
 struct MoeGemmParams {
-  void* out;       // bf16, or e4m3 bytes when out_scale is set
+  void* out;       // bf16 (fp16 with out_fp16), or e4m3 bytes when out_scale is set
   float* partial;  // [k_splits, m_total, n] fp32 (k_splits > 1 only)
   const int64_t* offsets;
   const float* a_scale;
@@ -125,6 +125,7 @@ struct MoeGemmParams {
   float* amax_scale;       // SiLU*mul into bf16: max(*amax_scale, amax |out| / 448) (or null)
   bool offsets_ready;      // offsets may be read before the previous kernel completes
   bool vector_out;         // out, ldo and the output columns allow 8-column vector stores
+  bool out_fp16;           // plain store: out is fp16 (the staged tile holds fp16 bits)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
 };
 

@@ -4,15 +4,17 @@
 // An epilogue type names which weight rows a unit's tile holds (the producer loads them as
 // two boxes of kBlockN / 2 rows: weight_box_row), which output column each tile column is
 // (weight_row, column_valid), and how the staged bf16 tile is stored (store):
-//   EpilogueStore<Config>:   out[row, n] = bf16(scaled sum), 16-byte row vectors.
+//   EpilogueStore<Config>:   out[row, n] = bf16(scaled sum), or fp16 with p.out_fp16 (a runtime
+//     flag: both output dtypes share the instantiation), 16-byte row vectors.
 //   EpilogueSiluMul<Config>: GEMM1 over b = [gate; up]: tile columns j and j + kBlockN / 2
 //     are the gate and up rows of output column n0 + j; out[row, j] = silu(g) * u of the
 //     bf16-rounded products, as bf16 (optionally folding amax |out| / 448 into amax_scale) or
 //     as e4m3 with the static out_scale.
 // The driver (epilogue_moe_gemm) scales the accumulators (per-tensor, per-row, per-channel),
 // then either writes the scaled fp32 partial tile of a K split straight from registers
-// (reduce_splitk_sm90.cuh adds the splits and applies the same epilogue), or stages bf16 into
-// the shared tile c[t][n] ([kBlockT][kEpilogueLd], transposed for swap-AB) and lets the
+// (reduce_splitk_sm90.cuh adds the splits and applies the same epilogue), or stages 16-bit
+// values (bf16; fp16 for EpilogueStore with p.out_fp16) into the shared tile c[t][n]
+// ([kBlockT][kEpilogueLd], transposed for swap-AB) and lets the
 // epilogue type's store phase write it: the 256 consumer threads store whole rows, consecutive
 // threads consecutive columns (coalesced), masking token rows past the expert's count and
 // columns past N (element stores where N or the row stride is not a multiple of 8).
@@ -36,6 +38,12 @@ struct TileCoord {
   int n;
   int t;
 };
+
+// The bits of v rounded to the plain store's 16-bit output: fp16 when `fp16`, else bf16
+// (round to nearest even, as at::Tensor::to rounds on the CPU).
+CUTLASS_DEVICE uint16_t out16_bits(float v, bool fp16) {
+  return fp16 ? cutlass::half_t(v).raw() : cutlass::bfloat16_t(v).raw();
+}
 
 // Stores 8 SiLU*mul outputs at element offset `at` of out (min(valid, 8) of them): bf16, or
 // e4m3 as clamp(v * (1 / out_scale)) (silu_and_mul_quant's expression), as one 16- or 8-byte
@@ -99,11 +107,13 @@ struct EpilogueStore {
     return n0 + nl < p.n;
   }
 
+  // Copies the staged 16-bit values (bf16 or fp16 bits, whichever out holds) as they are.
   CUTLASS_DEVICE static void store(const MoeGemmParams& p, const MoeGemmUnit& u,
-                                   const cutlass::bfloat16_t* c, int ct) {
+                                   const cutlass::bfloat16_t* staged, int ct) {
     constexpr int kBlockN = Config::kBlockN;
-    auto* out = static_cast<cutlass::bfloat16_t*>(p.out);
-    constexpr int kVectors = Config::kBlockT * kBlockN / 8;  // 8 bf16 = 16 bytes
+    auto* out = static_cast<uint16_t*>(p.out);
+    const auto* c = reinterpret_cast<const uint16_t*>(staged);
+    constexpr int kVectors = Config::kBlockT * kBlockN / 8;  // 8 x 16 bits = 16 bytes
     CUTE_UNROLL
     for (int v = ct; v < kVectors; v += Config::kConsumerThreads) {
       const int tl = v / (kBlockN / 8);
@@ -111,8 +121,8 @@ struct EpilogueStore {
       const int t = u.t0 + tl;
       const int n = u.n0 + nl;
       if (t >= u.rows || n >= p.n) continue;
-      const cutlass::bfloat16_t* src = &c[tl * Config::kEpilogueLd + nl];
-      cutlass::bfloat16_t* dst = out + (u.row_begin + t) * p.ldo + n;
+      const uint16_t* src = &c[tl * Config::kEpilogueLd + nl];
+      uint16_t* dst = out + (u.row_begin + t) * p.ldo + n;
       if (p.vector_out) {
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
       } else {
@@ -196,9 +206,10 @@ CUTLASS_DEVICE void epilogue_moe_gemm(const MoeGemmParams& p, const MoeGemmUnit&
     }
     return;
   }
-  // Staged: registers -> shared tile c[t][n] (bf16) -> the epilogue's stores. The first
-  // barrier keeps this unit's writes behind the previous unit's reads of c (a pair's: behind
-  // the first warpgroup's reads of the sums).
+  // Staged: registers -> shared tile c[t][n] (16-bit: bf16, or fp16 bits for a plain fp16
+  // store) -> the epilogue's stores. The first barrier keeps this unit's writes behind the
+  // previous unit's reads of c (a pair's: behind the first warpgroup's reads of the sums).
+  const bool fp16 = !Epilogue::kSiluMul && p.out_fp16;
   cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, Config::kEpilogueBarrier);
   if (holds_tile) {
     CUTE_UNROLL
@@ -206,8 +217,9 @@ CUTLASS_DEVICE void epilogue_moe_gemm(const MoeGemmParams& p, const MoeGemmUnit&
       const TileCoord tc = tile_nt(i);
       const int t = u.t0 + tc.t;
       const bool valid = Epilogue::column_valid(p, u.n0, tc.n) && t < u.rows;
-      c[tc.t * Config::kEpilogueLd + tc.n] = cutlass::bfloat16_t(
-          valid ? scaled(i, Epilogue::weight_row(p, u.n0, tc.n), u.row_begin + t) : 0.0f);
+      const float v =
+          valid ? scaled(i, Epilogue::weight_row(p, u.n0, tc.n), u.row_begin + t) : 0.0f;
+      c[tc.t * Config::kEpilogueLd + tc.n] = cutlass::bfloat16_t::bitcast(out16_bits(v, fp16));
     }
   }
   cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, Config::kEpilogueBarrier);

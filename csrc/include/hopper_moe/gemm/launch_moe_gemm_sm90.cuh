@@ -68,7 +68,9 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   constexpr int kBlockK = Config::kBlockK;
   if (a.m_total == 0 || a.num_experts == 0 || a.n == 0) return cudaSuccess;
   if (a.num_experts > heuristics::kMaxExperts || a.grid <= 0) return cudaErrorInvalidValue;
-  if (a.silu_mul && (a.act_n <= 0 || 2 * int64_t(a.act_n) != a.n)) return cudaErrorInvalidValue;
+  if (a.silu_mul && (a.act_n <= 0 || 2 * int64_t(a.act_n) != a.n || a.out_fp16)) {
+    return cudaErrorInvalidValue;
+  }
 
   const auto* w_ptr = static_cast<const Element*>(a.w);
   const auto* x_ptr = static_cast<const Element*>(a.x);
@@ -108,6 +110,7 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   p.out_scale = a.silu_mul ? a.out_scale : nullptr;
   p.amax_scale = a.silu_mul && a.out_scale == nullptr ? a.amax_scale : nullptr;
   p.offsets_ready = a.offsets_ready;
+  p.out_fp16 = a.out_fp16;
   p.vector_out = out_cols % 8 == 0 && a.ldo % 8 == 0 &&
                  reinterpret_cast<uintptr_t>(a.out) % vector_bytes == 0;
   p.weight_cache_hint = uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST

@@ -5,7 +5,8 @@
 // for every expert e, token row t < offsets[e+1] - offsets[e] and output column n < N, with
 //   X    [m_total, K]  rows grouped by expert, K contiguous (bf16, or fp8 e4m3)
 //   W    [E, N, K]     K contiguous, the dtype of X
-//   out  [m_total, N]  bf16, row stride ldo (with SiLU*mul: [m_total, N / 2], bf16 or e4m3)
+//   out  [m_total, N]  bf16 or fp16 (out_fp16), row stride ldo (with SiLU*mul: [m_total, N / 2],
+//                      bf16 or e4m3)
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
 // With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
@@ -31,7 +32,7 @@ enum class ScaleMode : int { kNone = 0, kPerTensor = 1, kPerRow = 2 };
 struct MoeGemmArgs {
   const void* x = nullptr;            // [m_total, K]
   const void* w = nullptr;            // [E, N, K]
-  void* out = nullptr;                // [m_total, N] bf16
+  void* out = nullptr;                // [m_total, N] bf16, or fp16 with out_fp16
   const int64_t* offsets = nullptr;   // [E + 1] expert row offsets into x / out (device)
   const float* a_scale = nullptr;     // [1] or [m_total] (device), by a_mode
   const float* b_scale = nullptr;     // [E] or [E, N] (device), by b_mode
@@ -47,6 +48,10 @@ struct MoeGemmArgs {
   int k_splits = 1;                   // K split of each CTA's work (heuristics/sm90.h)
   float* partial = nullptr;           // [k_splits, m_total, N] fp32 workspace if k_splits > 1
   int grid = 0;                       // CTAs of the persistent grid (config.grid), at most
+  // The plain store's output is fp16 instead of bf16: the epilogue (and the K split's reduce)
+  // rounds the fp32 sums to fp16. A runtime flag, not a template argument, so that both
+  // output dtypes share every instantiation. Not with SiLU*mul (bf16 or e4m3 only).
+  bool out_fp16 = false;
   // SiLU*mul fused into the epilogue (GEMM1 of a layer): w holds [gate (act_n rows); up (act_n
   // rows)] per expert (n = 2 * act_n) and out [m_total, act_n] gets silu(gate) * up of the
   // bf16-rounded products, as bf16, or as e4m3 bytes quantized with the static per-tensor

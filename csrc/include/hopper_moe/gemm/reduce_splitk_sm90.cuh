@@ -1,6 +1,7 @@
 // The K split's second kernel: the sum of the splits' scaled fp32 partial tiles for the rows
 // each expert owns (clamped as in the GEMM; rows no expert owns stay untouched), then the
-// GEMM's epilogue on the sums: out[row, n] = bf16(sum_s partial[s, row, n]), or with SiLU*mul
+// GEMM's epilogue on the sums: out[row, n] = bf16(sum_s partial[s, row, n]) (fp16 with
+// p.out_fp16), or with SiLU*mul
 // out[row, j] = act(bf16(sum gate), bf16(sum up)) for the gate and up columns j and act_n + j.
 // CTA (blockIdx.x = chunk of 8 * kThreads output columns, .y = block of kRows rows, .z =
 // expert): thread i takes 8 adjacent columns of kRows rows. A template, so that each
@@ -53,8 +54,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_splitk_reduce_kernel(MoeGem
       }
     }
     if constexpr (!kSiluMul) {
-      auto* out = static_cast<cutlass::bfloat16_t*>(p.out) + row * p.ldo + col;
-      for (int e = 0; e < valid; ++e) out[e] = cutlass::bfloat16_t(sum[e]);
+      auto* out = static_cast<uint16_t*>(p.out) + row * p.ldo + col;
+      for (int e = 0; e < valid; ++e) out[e] = out16_bits(sum[e], p.out_fp16);
     } else {
       float act[8];
       CUTE_UNROLL

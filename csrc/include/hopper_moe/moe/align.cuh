@@ -273,12 +273,14 @@ struct AlignEpilogue {
   }
 };
 
+// Phase 5 of align: the slot's sorted position, and scatter_idx[i] = i for a placed slot, -1
+// for a skipped one (the masked identity of the routed rows, as vLLM defines it).
 struct AlignSlot {
   int32_t* sorted_token_ids;
   int32_t* scatter_idx;  // nullptr when not asked for
   __device__ __forceinline__ void operator()(int64_t i, int key, int pos) const {
     if (key >= 0) sorted_token_ids[pos] = static_cast<int32_t>(i);
-    if (scatter_idx != nullptr) scatter_idx[i] = pos;
+    if (scatter_idx != nullptr) scatter_idx[i] = key >= 0 ? static_cast<int32_t>(i) : -1;
   }
 };
 
