@@ -15,7 +15,9 @@ Results: <out>/<gpu>_<tag>.md and .json. Without a GPU it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -41,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="warmup")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile every first call and one steady call per M; print the "
+                        "functions whose time per call differs most between them")
     return p.parse_args(argv)
 
 
@@ -58,6 +63,7 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
     ms = rng.sample(range(1, args.max_m + 1), args.n)
     before = _compiled_variants()
     rows = []
+    prof_first, prof_steady = cProfile.Profile(), cProfile.Profile()
     for i, m in enumerate(ms):
         _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, device, seed=args.seed + i)
         xm = x[:m]
@@ -71,10 +77,18 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
             return (h - t) * 1e3, (time.perf_counter() - t) * 1e3
         torch.cuda.synchronize()
         allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        if args.profile:
+            prof_first.enable()
         first_host, first = once()
+        if args.profile:
+            prof_first.disable()
         # cudaMalloc calls the caching allocator made during the first call (a size class the
         # pool had no free block for).
         allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
+        if args.profile:
+            prof_steady.enable()
+            once()
+            prof_steady.disable()
         steady = [once() for _ in range(args.reps)]
         s = statistics.median(w for _, w in steady)
         rows.append(dict(M=m, first_ms=first, steady_ms=s, ratio=first / s,
@@ -82,6 +96,8 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
                          steady_host_ms=statistics.median(h for h, _ in steady),
                          device_allocs=allocs))
     after = _compiled_variants()
+    if args.profile:
+        print_profile_difference(scheme, prof_first, prof_steady, len(ms))
     worst = max(rows, key=lambda r: r["ratio"])
     return dict(scheme=scheme, warmup_s=warm_s, warmup_compile_s=report.compile_s,
                 warmup_run_s=report.run_s, warmup_kernels=report.kernels_compiled,
@@ -92,6 +108,18 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
                 first_median_ms=statistics.median(r["first_ms"] for r in rows),
                 calls_with_alloc=sum(r["device_allocs"] > 0 for r in rows),
                 rows=rows)
+
+
+def print_profile_difference(scheme: str, first, steady, calls: int, top: int = 15) -> None:
+    """The functions whose own time per call is larger in first calls than in steady ones."""
+    def per_function(prof):
+        return {k: v[2] for k, v in pstats.Stats(prof).stats.items()}  # tottime
+    a, b = per_function(first), per_function(steady)
+    diff = sorted(((a.get(k, 0.0) - b.get(k, 0.0), k) for k in set(a) | set(b)), reverse=True)
+    print(f"{scheme}: own time per call, first calls minus steady calls (cProfile, "
+          f"{calls} of each; µs):")
+    for d, (path, line, name) in diff[:top]:
+        print(f"  {d / calls * 1e6:9.1f}  {name}  {os.path.basename(path)}:{line}")
 
 
 HEADERS = ["scheme", "warmup s (compile + run)", "kernels compiled by warmup",

@@ -296,7 +296,10 @@ def _device_name(device: torch.device) -> Optional[str]:
     return name
 
 
-@functools.lru_cache(maxsize=4096)
+# One entry per distinct call signature and token count: warmup() fills it for every token
+# count up to its max_num_tokens, so that a first call at a new token count while serving does
+# no oracle work (a miss costs tens of µs of Python).
+@functools.lru_cache(maxsize=1 << 17)
 def _choice(device_type: str, device_name: Optional[str], scheme: str, num_tokens: int,
             supported: tuple[str, ...], shape: oracle.LayerShape) -> oracle.Choice:
     measured = oracle.load_measured(device_name) if device_name is not None else None

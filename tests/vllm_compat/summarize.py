@@ -1,9 +1,9 @@
 """Summary of a harness run: passed / failed / skipped per upstream file, skips per reason,
-failures per known-difference category (with one representative test id each).
+failures per upstream test function (with one representative test id and message each).
 
     python summarize.py RESULTS.xml [SDIST_TESTS_ROOT]
 
-RESULTS.xml is pytest's --junitxml output. A failure that matches no category is "new".
+RESULTS.xml is pytest's --junitxml output.
 """
 from __future__ import annotations
 
@@ -16,37 +16,9 @@ import xml.etree.ElementTree as ET
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import skips  # noqa: E402
 
-# The differences between hopper_moe and vLLM found before this harness existed (issue 27):
-# (key, description, node id regex, failure message regex). First match wins.
-CATEGORIES = [
-    ("1-cutlass-fp16-out", "cutlass_moe_mm rejects fp16 outputs",
-     r"test_cutlass_moe\.py", r"(?i)(half|float16|fp16|bfloat16 out|out_tensors.*dtype)"),
-    ("2-topk-nonfinite", "topk_softmax/topk_sigmoid: NaN/±Inf logits give NaN weights",
-     r"test_fused_topk\.py::test_fused_topk\w*nan_inf", r""),
-    ("3-grouped-topk", "grouped_topk: bf16 sigmoid rounding, score x bias dtype pairs, "
-     "non-finite scores", r"test_grouped_topk\.py", r""),
-    ("4-silu-ulp", "silu_and_mul / silu_and_mul_quant differ by up to 1 ulp (bit-exact tests)",
-     r"(test_activation\.py|test_fused_quant_activation\.py)", r""),
-    ("5-align-scatter-idx", "moe_align_block_size: scatter_idx meaning differs",
-     r"test_moe_align_block_size\.py", r"(?i)scatter|sorted|mismatch|assert"),
-    ("6-moe-sum-strided", "moe_sum rejects strided hidden dims",
-     r"test_moe\.py::test_moe_sum", r"(?i)(stride|contiguous)"),
-    ("7-dyn-fp8-T1-scale", "dynamic_scaled_fp8_quant rejects a [T,1] scale",
-     r"test_fp8_quant", r"(?i)scale"),
-    ("9-global-num-experts", "fused_experts: global_num_experts < w1.size(0) rejected",
-     r"", r"global_num_experts"),
-    ("10-sm90-H-mod-8", "sm90 backend rejects H % 8 != 0", r"", r"(?i)(% ?8|multiple of 8)"),
-]
-
-
 def categorize(nodeid: str, message: str) -> str:
-    for key, _, node_re, msg_re in CATEGORIES:
-        if node_re and not re.search(node_re, nodeid):
-            continue
-        if msg_re and not re.search(msg_re, message):
-            continue
-        return key
-    return "new"
+    """A failure's group: its upstream test function (parameters dropped)."""
+    return nodeid.split("[", 1)[0]
 
 
 def _nodeid(case) -> str:
@@ -90,14 +62,11 @@ def main(xml_path: str, tests_root: str | None = None) -> int:
         print(f"{file:62} {c['passed']:7} {c['failed']:7} {c['error']:6} {c['skipped']:8}")
     print(f"{'TOTAL':62} {total['passed']:7} {total['failed']:7} {total['error']:6} "
           f"{total['skipped']:8}")
-    print("\nfailures (and errors) per difference category:")
-    descr = {key: d for key, d, _, _ in CATEGORIES}
-    descr["new"] = "not among the known differences"
+    print("\nfailures (and errors) per upstream test:" + ("" if cats else " none"))
     for key, entry in sorted(cats.items()):
-        print(f"  {key:22} {entry['count']:5}  {descr[key]}")
-        print(f"  {'':22} e.g. {entry['example']}")
-        if key == "new" or entry["message"]:
-            print(f"  {'':22}      {entry['message']!r}")
+        print(f"  {entry['count']:5}  {key}")
+        print(f"         e.g. {entry['example']}")
+        print(f"              {entry['message']!r}")
     print("\nskipped, per reason:")
     for reason, n in skip_reasons.most_common():
         print(f"  {n:5}  {reason}")
