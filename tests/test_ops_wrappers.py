@@ -153,12 +153,12 @@ def test_silu_and_mul_wrappers_allocate(device):
     x = torch.randn(3, 2, 64, generator=seeded(7)).to(torch.bfloat16).to(device)
     out = ops.silu_and_mul(None, x)
     assert out.shape == (3, 2, 32) and out.dtype == torch.bfloat16
-    assert torch.equal(out.cpu(), reference.silu_and_mul_ref(x.cpu()))
+    # The reference on the op's device: CPU and CUDA exp may differ by an ulp.
+    assert torch.equal(out, reference.silu_and_mul_ref(x))
     scale = torch.tensor([0.02], device=device)
     q = ops.silu_and_mul_quant(None, x, scale)
     assert q.dtype == FP8 and q.shape == (3, 2, 32)
-    assert torch.equal(_bits(q.cpu()), _bits(reference.silu_and_mul_quant_ref(x.cpu(),
-                                                                              scale.cpu())))
+    assert torch.equal(_bits(q), _bits(reference.silu_and_mul_quant_ref(x, scale)))
 
 
 def test_cutlass_group_gemm_supported_wrapper():

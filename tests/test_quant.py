@@ -177,6 +177,33 @@ def test_dynamic_per_tensor_zero_nan_inf():
         assert bytes_equal(q[:1, :4], q_ref) and torch.equal(s, s_ref)
 
 
+def _dynamic_scale_any_shape(device):
+    """vLLM passes dynamic_scaled_fp8_quant a [num_tokens, 1] scale buffer (its opcheck), and
+    any shape with at least one element is accepted: the op writes the first element only."""
+    x = make_x((6, 40), torch.bfloat16, seed=31, device=device)
+    q_ref, s_ref = ref.dynamic_scaled_fp8_quant_ref(x.cpu())
+    buf = torch.full((24,), -5.0, device=device)
+    for scale in (buf[:6].view(6, 1), buf[:1].view(()), buf[2:14].view(3, 4).t(), buf[::4],
+                  buf.view(2, 3, 4)[:, 1]):
+        buf.fill_(-5.0)
+        q = fp8_empty((6, 40), device)
+        ops.dynamic_scaled_fp8_quant(q, x, scale)
+        assert bytes_equal(q, q_ref)
+        first = scale.reshape(-1)[0]
+        assert torch.equal(first.reshape(1).cpu(), s_ref)
+        written = (buf != -5.0).nonzero().flatten().tolist()
+        assert written == [scale.storage_offset()], (scale.shape, written)
+
+
+def test_dynamic_scale_any_shape_cpu():
+    _dynamic_scale_any_shape("cpu")
+
+
+@gpu
+def test_dynamic_scale_any_shape_cuda():
+    _dynamic_scale_any_shape("cuda")
+
+
 # --------------------------------------------------------------------------- dynamic per token
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -375,7 +402,8 @@ def _bad_calls(device):
         ("scale", lambda: ops.static_scaled_fp8_quant(q, x, torch.ones(3, 2, **f32))),
         ("scale", lambda: ops.static_scaled_fp8_quant(q, x, torch.ones(2, 2, 2, **f32))),
         # dynamic per tensor
-        ("scale", lambda: ops.dynamic_scaled_fp8_quant(q, x, torch.ones(2, **f32))),
+        ("scale", lambda: ops.dynamic_scaled_fp8_quant(q, x, torch.ones(0, **f32))),
+        ("scale", lambda: ops.dynamic_scaled_fp8_quant(q, x, torch.ones(4, 0, **f32))),
         ("scale", lambda: ops.dynamic_scaled_fp8_quant(q, x, torch.ones(1, dtype=torch.float16,
                                                                         device=device))),
         ("result", lambda: ops.dynamic_scaled_fp8_quant(x.clone(), x, s1)),
@@ -442,6 +470,8 @@ def _opcheck_cases(device):
                       (q, x, torch.full((m,), 0.1, device=device), [1, -1])))
         cases.append((ops.dynamic_scaled_fp8_quant.default,
                       (q, x, torch.empty(1, device=device))))
+        cases.append((ops.dynamic_scaled_fp8_quant.default,  # vLLM's opcheck scale
+                      (q, x, torch.empty(m, 1, device=device))))
         cases.append((ops.dynamic_per_token_scaled_fp8_quant.default,
                       (q, x, torch.empty(m, 1, device=device), None)))
         cases.append((ops.dynamic_per_token_scaled_fp8_quant.default,

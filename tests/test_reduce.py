@@ -135,6 +135,44 @@ def test_strided_input_and_output():
         assert torch.isnan(out_big[:, :5].float()).all() and torch.isnan(out_big[:, 38:].float()).all()
 
 
+# vLLM's test_moe_sum layouts: contiguous, topk and hidden transposed (hidden stride topk),
+# every second topk slot of a wider buffer. Each is (base tensor, view of a base).
+def _vllm_layouts(m, topk, k, dtype, gen):
+    return {
+        "contig": (torch.randn((m, topk, k), generator=gen).to(dtype), lambda b: b),
+        "transpose": (torch.randn((m, k, topk), generator=gen).to(dtype),
+                      lambda b: b.transpose(1, 2)),
+        "slice": (torch.randn((m, 2 * topk, k), generator=gen).to(dtype),
+                  lambda b: b[:, ::2, :]),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_any_input_strides_cpu(dtype):
+    """A strided hidden dimension (vLLM's transposed layout, stride [1022, 1, 2] and the like)
+    and strided topk_ids are read through their strides."""
+    gen = seeded(4)
+    for m, topk, k in [(1, 2, 128), (33, 8, 511), (5, 3, 7)]:
+        for layout, (base, view) in _vllm_layouts(m, topk, k, dtype, gen).items():
+            x = view(base)
+            for ids_mode in ("none", "ids"):
+                ids = None
+                if ids_mode == "ids":
+                    # topk_ids read through strides: a transposed view
+                    ids = torch.randint(-1, 4, (topk, m), generator=gen,
+                                        dtype=torch.int32).t()
+                out = _run(x, ids)
+                what = f"{layout} {m}x{topk}x{k} {dtype} {ids_mode} strides={x.stride()}"
+                _assert_bits_equal(out, ref.moe_sum(x, ids), what)
+                _assert_bits_equal(out, _run(x.contiguous(), None if ids is None
+                                             else ids.contiguous()), what)
+    # the vLLM test's expectation
+    base, view = _vllm_layouts(33, 8, 511, torch.float32, gen)["transpose"]
+    x = view(base)
+    assert x.stride() == (511 * 8, 1, 8)
+    _assert_bits_equal(_run(x), x.float().sum(dim=1).to(x.dtype))
+
+
 def test_special_values_propagate():
     x = torch.tensor([[[1.0, float("inf"), float("nan"), -float("inf"), 3.0e38],
                        [2.0, 1.0, 0.0, float("inf"), 3.0e38]]])
@@ -160,7 +198,6 @@ def _bad_cases(device):
         ("output", (x, out.to(torch.bfloat16), None, None)),  # dtype mismatch
         ("output", (x, torch.empty((3, 8), **f), None, None)),  # num_tokens
         ("output", (x, torch.empty((4, 9), **f), None, None)),  # hidden
-        ("input", (wide[:, :, ::2], out, None, None)),  # last-dim stride
         ("output", (x, torch.empty((4, 16), **f)[:, ::2], None, None)),  # last-dim stride
         ("output", (wide, wide[:, 0, :], None, None)),  # output overlaps input
         ("topk_ids", (x, out, torch.zeros((8,), dtype=torch.int32, **f), None)),  # rank
@@ -168,7 +205,6 @@ def _bad_cases(device):
         ("topk_ids", (x, out, ids.to(torch.int16), None)),  # dtype
         ("topk_ids", (x, out, torch.zeros((3, 2), dtype=torch.int32, **f), None)),  # T
         ("topk_ids", (x, out, torch.zeros((4, 3), dtype=torch.int32, **f), None)),  # K
-        ("topk_ids", (x, out, torch.zeros((2, 4), dtype=torch.int32, **f).t(), None)),  # contig
         ("expert_map", (x, out, None, emap)),  # without topk_ids
         ("expert_map", (x, out, ids, emap.view(2, 3))),  # rank
         ("expert_map", (x, out, ids, emap.long())),  # dtype
@@ -189,8 +225,12 @@ def _opcheck_samples(device):
     x1, ids1, _ = _make(1, 2, 8, torch.bfloat16, gen, ids_mode="ids")
     x2 = torch.randn((5, 6, 40), generator=gen)[:, 1:5, 4:36]  # non-contiguous input
     x3, ids3, map3 = _make(7, 4, 24, torch.float16, gen, ids_mode="map", id_dtype=torch.int64)
+    # strided hidden dimension and strided topk_ids
+    x4 = torch.randn((3, 40, 4), generator=gen).to(torch.bfloat16).transpose(1, 2)
+    ids4 = torch.randint(-1, 6, (4, 3), generator=gen, dtype=torch.int32).t()
     samples = []
-    for x, ids, emap in [(x1, ids1, None), (x2, None, None), (x3, ids3, map3), (x1, None, None)]:
+    for x, ids, emap in [(x1, ids1, None), (x2, None, None), (x3, ids3, map3), (x1, None, None),
+                         (x4, ids4, None)]:
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
         out = torch.empty((x.shape[0], x.shape[2]), dtype=x.dtype, device=device)
         samples.append((x.to(device), out, to(ids), to(emap)))
@@ -238,6 +278,26 @@ def test_cuda_scalar_and_vector_paths(dtype):
             out = out_big[:, out_off:out_off + h]
             OP(x.cuda(), out, ids.cuda(), None)
             _assert_bits_equal(out.cpu(), ref.moe_sum(x, ids), f"{sl} {out_off}")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_any_input_strides(dtype):
+    """Strided hidden dimensions (scalar path) and strided topk_ids on the GPU: equal to the
+    reference and to the CPU op bit for bit."""
+    gen = seeded(14)
+    for m, topk, k in [(1, 2, 128), (33, 8, 511), (222, 8, 1024), (5, 3, 7)]:
+        for layout, (base, view) in _vllm_layouts(m, topk, k, dtype, gen).items():
+            x, xg = view(base), view(base.cuda())
+            assert xg.stride() == x.stride()
+            ids = torch.randint(-1, 4, (topk, m), generator=gen, dtype=torch.int64).t()
+            emap = torch.tensor([0, -1, 1, 2], dtype=torch.int32)
+            for args in [(None, None), (ids, None), (ids, emap)]:
+                want = _run(x, *args)
+                got = _run(xg, *args, device="cuda")
+                what = f"{layout} {m}x{topk}x{k} {dtype} ids={args[0] is not None}"
+                _assert_bits_equal(got.cpu(), want, what)
+                _assert_bits_equal(got.cpu(), ref.moe_sum(x, *args), what)
 
 
 @gpu

@@ -5,9 +5,11 @@
 
 namespace hopper_moe::check {
 
-// input [T, K, H] f32/f16/bf16 (any strides with a unit last stride), output [T, H] of the same
-// dtype (unit last stride), optional topk_ids [T, K] int32/int64 contiguous, optional
-// expert_map [E_global] int32 contiguous (only together with topk_ids).
+// input [T, K, H] f32/f16/bf16 with any strides (a strided hidden dimension too, as vLLM's
+// moe_sum accepts), output [T, H] of the same dtype with a unit last stride and any row stride
+// (vLLM's needs a contiguous output; this accepts more), optional topk_ids [T, K] int32/int64
+// with any strides, optional expert_map [E_global] int32 contiguous (only together with
+// topk_ids).
 void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_ids,
              const OptTensor& expert_map) {
   constexpr const char* kOp = "moe_sum";
@@ -20,7 +22,6 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
   HM_CHECK_SAME_DEVICE(kOp, output, input);
   HM_CHECK_SIZE(kOp, output, 0, input.size(0), "num_tokens = input.size(0)");
   HM_CHECK_SIZE(kOp, output, 1, input.size(2), "hidden_size = input.size(2)");
-  HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, input);
   HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, output);
   HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, output);
   HM_CHECK_NO_OVERLAP(kOp, output, input);
@@ -32,7 +33,6 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
     check_same_device_named(kOp, ids, "topk_ids", input, "input");
     check_size_named(kOp, ids, "topk_ids", 0, input.size(0), "num_tokens = input.size(0)");
     check_size_named(kOp, ids, "topk_ids", 1, input.size(1), "topk = input.size(1)");
-    check_contiguous_named(kOp, ids, "topk_ids");
   }
   if (expert_map) {
     const at::Tensor& map = *expert_map;

@@ -2,7 +2,8 @@
 // against, bit for bit). Same semantics as vLLM's ops of the same names, all in fp32:
 //
 //   static_scaled_fp8_quant      q = e4m3(clamp_e4m3(x * (1 / scale[group of (m, n)])))
-//   dynamic_scaled_fp8_quant     s = max(amax(|x|) / 448, 1/(448*512));
+//   dynamic_scaled_fp8_quant     s = max(amax(|x|) / 448, 1/(448*512)), written to the first
+//                                element of scale (any shape with >= 1 element);
 //                                q = e4m3(clamp_e4m3(x * (1 / s)))
 //   dynamic_per_token_...        per row: a = amax(|row|), a = min(a, scale_ub) when given,
 //                                s = max(a / 448, 1/(448*512));  q = e4m3(clamp_e4m3(x / s))

@@ -1,5 +1,7 @@
 // CUDA launchers of silu_and_mul and silu_and_mul_quant (kernels in
-// hopper_moe/moe/activation_silu_and_mul.cuh). Results equal the CPU definitions bit for bit.
+// hopper_moe/moe/activation_silu_and_mul.cuh). Results equal torch's F.silu(gate) * up on the GPU
+// (and its static quantization) bit for bit; the CPU definitions evaluate exp with the CPU's
+// exp, so they may differ from these by one rounding step on a few elements.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

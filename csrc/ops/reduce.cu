@@ -47,13 +47,14 @@ void launch_typed(const MoeSumParams& p, const OptTensor& topk_ids, bool vectori
   }
 }
 
-// 16-byte chunks need every row start of input and output 16-byte aligned and whole chunks.
+// 16-byte chunks need a unit-stride hidden dimension, every row start of input and output
+// 16-byte aligned and whole chunks.
 bool can_vectorize(const at::Tensor& input, const at::Tensor& output) {
   const int64_t vec = 16 / input.element_size();
   auto aligned = [](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
-  return aligned(input) && aligned(output) && input.size(2) % vec == 0 &&
+  return input.stride(2) == 1 && aligned(input) && aligned(output) && input.size(2) % vec == 0 &&
          input.stride(0) % vec == 0 && input.stride(1) % vec == 0 &&
          output.stride(0) % vec == 0;
 }
@@ -79,7 +80,10 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
   p.hidden = input.size(2);
   p.in_stride_t = input.stride(0);
   p.in_stride_k = input.stride(1);
+  p.in_stride_h = input.stride(2);
   p.out_stride_t = output.stride(0);
+  p.ids_stride_t = topk_ids ? topk_ids->stride(0) : 0;
+  p.ids_stride_k = topk_ids ? topk_ids->stride(1) : 0;
   const bool vectorized = can_vectorize(input, output);
 
   switch (input.scalar_type()) {

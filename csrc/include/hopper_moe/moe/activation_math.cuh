@@ -1,8 +1,18 @@
-// SiLU in fp32, bit-identical on the host (CPU definition) and the device (CUDA kernels).
+// SiLU arithmetic of the activation kernels.
 //
-// silu(g) = g / (1 + exp(-g)) (same semantics as vLLM's silu_and_mul). The library expf
-// differs between glibc and CUDA by up to 2 ulp, so both sides use math::exp_f32
-// (common/math.cuh), which rounds identically on both. Callers must not build with fast-math.
+// silu_and_mul_value<T>: the value silu_and_mul stores for one element, in vLLM's rounding
+// order (which is also the order of torch's F.silu(gate) * up in the input dtype T):
+//     s = gate / (1 + exp(-gate))   in fp32 (CUDA's expf, IEEE add and division), rounded to T
+//     v = float(s) * up             in fp32, rounded to T
+// For T = float neither rounding changes anything. The operations are written with the *_rn
+// intrinsics, so nvcc never contracts them with a neighbour into an FMA. The CPU definition
+// does not use this function: it calls ATen's CPU silu and mul (csrc/cpu/activation.cpp),
+// whose exp differs from CUDA's by up to an ulp.
+//
+// silu_mul_f32: silu(gate) * up in fp32 with one rounding at the end and the device-independent
+// math::exp_f32 (hopper_moe/common/math.cuh), identical on the host and the device. This is
+// not silu_and_mul's value (it skips the rounding of silu to T and uses another exp); the
+// grouped GEMM epilogues call it. Callers must not build with fast-math.
 #pragma once
 
 #include <cmath>
@@ -14,8 +24,22 @@ namespace hopper_moe::act {
 
 HM_HOST_DEVICE float silu_f32(float g) { return g / (1.0f + math::exp_f32(-g)); }
 
-// silu(gate) * up in fp32: the value silu_and_mul rounds once to the output dtype and
-// silu_and_mul_quant quantizes.
 HM_HOST_DEVICE float silu_mul_f32(float gate, float up) { return silu_f32(gate) * up; }
+
+#ifdef __CUDACC__
+
+// silu(g) in fp32 as torch's CUDA silu and vLLM's kernels evaluate it: g / (1 + expf(-g)).
+__device__ __forceinline__ float silu_expf(float g) {
+  return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+}
+
+// silu_and_mul's value of one element (see above), as a float holding a value of T.
+template <typename T>
+__device__ __forceinline__ float silu_and_mul_value(float gate, float up) {
+  const float s = static_cast<float>(static_cast<T>(silu_expf(gate)));
+  return static_cast<float>(static_cast<T>(__fmul_rn(s, up)));
+}
+
+#endif  // __CUDACC__
 
 }  // namespace hopper_moe::act

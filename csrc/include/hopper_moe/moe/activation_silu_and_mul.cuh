@@ -1,10 +1,10 @@
 // silu_and_mul and silu_and_mul_quant kernels.
 //
-// input rows are [gate (d) | up (d)] (row stride >= 2d); out[row, j] = silu(gate[j]) * up[j]
-// in fp32, then either rounded once to T (silu_and_mul) or quantized to e4m3 with the static
-// per-tensor scale as clamp_e4m3(v * (1 / scale)) (silu_and_mul_quant). Same semantics as
-// vLLM's silu_and_mul / silu_and_mul_quant, except that silu(gate) * up is not rounded to T
-// before the multiply or the quantization.
+// input rows are [gate (d) | up (d)] (row stride >= 2d); v = act::silu_and_mul_value<T>(gate[j],
+// up[j]) (silu rounded to T, then the product rounded to T: vLLM's order, equal bit for bit to
+// torch's F.silu(gate) * up on the GPU), stored as T (silu_and_mul) or quantized to e4m3 with
+// the static per-tensor scale as clamp_e4m3(v * (1 / scale)) (silu_and_mul_quant: the static
+// quantization of silu_and_mul's output, as vLLM's silu_and_mul_quant).
 //
 // Work split: a 2-D grid. blockIdx.y walks rows (grid-stride, gridDim.y <= 65535), the x
 // dimension walks the d columns in units of one 16-byte input vector (kVec) or one element
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kSiluThreads)
   using OutVec = quant::Vec<OutT, N>;
 
   float inv_scale = 0.0f;
-  if constexpr (kQuant) inv_scale = 1.0f / *scale;
+  if constexpr (kQuant) inv_scale = __fdiv_rn(1.0f, *scale);
 
   const int64_t num_units = d / N;  // exact: kVec implies d % N == 0
   const int64_t unit_begin = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -51,9 +51,10 @@ __global__ void __launch_bounds__(kSiluThreads)
       OutVec o;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        const float v = silu_mul_f32(static_cast<float>(g.v[i]), static_cast<float>(x.v[i]));
+        const float v =
+            silu_and_mul_value<T>(static_cast<float>(g.v[i]), static_cast<float>(x.v[i]));
         if constexpr (kQuant) {
-          o.v[i] = fp8::e4m3_bits(fp8::clamp_e4m3(v * inv_scale));
+          o.v[i] = fp8::e4m3_bits(fp8::clamp_e4m3(__fmul_rn(v, inv_scale)));
         } else {
           o.v[i] = static_cast<T>(v);
         }
