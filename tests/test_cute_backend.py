@@ -25,11 +25,11 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 
 
 def cute_precision(p) -> dict:
-    """GEMM outputs and the SiLU*mul output stored in bf16, except with a static per-tensor
-    a2 scale (quantized straight from the SiLU*mul of the bf16 GEMM1 output)."""
-    q = p.quant
-    static_a2 = q is not None and q.a2_scale is not None and not q.per_act_token_quant
-    return dict(intermediate_dtype=torch.bfloat16, act_dtype=None if static_a2 else torch.bfloat16)
+    """GEMM outputs stored in bf16; SiLU*mul of the bf16 GEMM1 output as silu_and_mul rounds
+    it (silu to bf16, then the product to bf16), also with a static per-tensor a2 scale, where
+    that bf16 value is quantized straight to FP8."""
+    return dict(intermediate_dtype=torch.bfloat16, act_dtype=torch.bfloat16,
+                silu_dtype=torch.bfloat16)
 
 
 def reference(p):

@@ -155,6 +155,8 @@ SKIPS = [
     ("tests/kernels/core/test_activation.py::test_silu_and_mul_with_clamp*", ACT),
     ("tests/kernels/core/test_activation.py::test_activation*", ACT),
     ("tests/kernels/core/test_activation.py::test_humming*", MARLIN),
+    # test_fused_quant_activation.py: the per-block variant calls silu_and_mul_per_block_quant
+    ("tests/kernels/test_fused_quant_activation.py::test_maybe_fused_act_quant_fp8_dynamic_block*", NOT_AN_OP),
     # quantization/test_per_token_group_quant.py
     ("tests/kernels/quantization/test_per_token_group_quant.py::test_per_token_group_quant_int8*", INT),
     ("tests/kernels/quantization/test_per_token_group_quant.py::test_per_token_group_quant_fp8_packed*", NOT_AN_OP),

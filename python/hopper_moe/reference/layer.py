@@ -129,6 +129,7 @@ def fused_experts_ref(
     dequant_dtype: Optional[torch.dtype] = None,
     act_dtype: object = _AS_INTERMEDIATE,
     gemm1_dtype: object = _AS_INTERMEDIATE,
+    silu_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """fp32 reference of the MoE layer; returns ``[M, H]`` in hidden_states' dtype.
 
@@ -158,6 +159,9 @@ def fused_experts_ref(
       gemm1_dtype: the GEMM1 output's storage when it differs from intermediate_dtype
         (default: intermediate_dtype). A GEMM1 that applies SiLU*mul in its epilogue never
         stores its own output: it passes gemm1_dtype=None.
+      silu_dtype: silu(gate) is rounded to this dtype before the multiply by up, as
+        silu_and_mul does (silu in fp32 rounded to the input dtype, then the product);
+        None = the fp32 product of the unrounded silu.
       dequant_dtype: with quant, GEMMs run on dequantized operands (q * scale) rounded to
         this dtype (PyTorch's dequantize-then-bf16-GEMM fallback); None = exact operands,
         as an FP8 tensor-core GEMM sees them.
@@ -205,7 +209,8 @@ def fused_experts_ref(
             continue
         h = _store(x[tok] @ w1f[e].t(),
                    intermediate_dtype if gemm1_dtype is _AS_INTERMEDIATE else gemm1_dtype)
-        inter[tok, kk] = _store(F.silu(h[:, :intermediate_size]) * h[:, intermediate_size:],
+        inter[tok, kk] = _store(_store(F.silu(h[:, :intermediate_size]), silu_dtype)
+                                * h[:, intermediate_size:],
                                 intermediate_dtype if act_dtype is _AS_INTERMEDIATE else act_dtype)
 
     if quant is not None:

@@ -147,8 +147,9 @@ struct EpilogueSiluMul {
     return n0 + (nl < kHalf ? nl : nl - kHalf) < p.act_n;
   }
 
-  // silu(gate) * up in fp32 of the bf16-rounded GEMM outputs (what a separate silu_and_mul
-  // over a bf16 GEMM output computes), then bf16 or e4m3 (static scale).
+  // silu_and_mul's value of the bf16-rounded GEMM outputs (silu rounded to bf16, times up,
+  // rounded to bf16: what a separate silu_and_mul over a bf16 GEMM output stores), then bf16 or
+  // e4m3 (static scale) of that value, as silu_and_mul_quant.
   CUTLASS_DEVICE static void store(const MoeGemmParams& p, const MoeGemmUnit& u,
                                    const cutlass::bfloat16_t* c, int ct) {
     constexpr int kActVectors = Config::kBlockT * kHalf / 8;
@@ -168,7 +169,9 @@ struct EpilogueSiluMul {
       memcpy(up, &up_bits, 16);
       float act[8];
       CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) act[e] = act::silu_mul_f32(float(gate[e]), float(up[e]));
+      for (int e = 0; e < 8; ++e) {
+        act[e] = act::silu_and_mul_value<cutlass::bfloat16_t>(float(gate[e]), float(up[e]));
+      }
       amax = fmaxf(amax, store_act_row(p, (u.row_begin + t) * p.ldo + j, p.act_n - j, act));
     }
     if (p.amax_scale != nullptr) fold_amax_scale(p, amax);

@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemm_splitk_reduce_kernel(MoeGem
       float act[8];
       CUTE_UNROLL
       for (int e = 0; e < 8; ++e) {
-        act[e] = act::silu_mul_f32(float(cutlass::bfloat16_t(sum[e])),
-                                   float(cutlass::bfloat16_t(sum_up[e])));
+        act[e] = act::silu_and_mul_value<cutlass::bfloat16_t>(
+            float(cutlass::bfloat16_t(sum[e])), float(cutlass::bfloat16_t(sum_up[e])));
       }
       amax = fmaxf(amax, store_act_row(p, row * p.ldo + col, valid, act));
     }

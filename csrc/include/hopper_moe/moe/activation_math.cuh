@@ -9,10 +9,8 @@
 // does not use this function: it calls ATen's CPU silu and mul (csrc/cpu/activation.cpp),
 // whose exp differs from CUDA's by up to an ulp.
 //
-// silu_mul_f32: silu(gate) * up in fp32 with one rounding at the end and the device-independent
-// math::exp_f32 (hopper_moe/common/math.cuh), identical on the host and the device. This is
-// not silu_and_mul's value (it skips the rounding of silu to T and uses another exp); the
-// grouped GEMM epilogues call it. Callers must not build with fast-math.
+// The grouped GEMM epilogues (SiLU*mul of GEMM1's bf16-rounded outputs) store this value too.
+// Callers must not build with fast-math.
 #pragma once
 
 #include <cmath>
@@ -21,10 +19,6 @@
 #include "hopper_moe/common/math.cuh"
 
 namespace hopper_moe::act {
-
-HM_HOST_DEVICE float silu_f32(float g) { return g / (1.0f + math::exp_f32(-g)); }
-
-HM_HOST_DEVICE float silu_mul_f32(float gate, float up) { return silu_f32(gate) * up; }
 
 #ifdef __CUDACC__
 
