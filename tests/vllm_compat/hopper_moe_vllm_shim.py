@@ -274,6 +274,9 @@ if _DEVICE == "cpu":
     import vllm.platforms as _platforms
 
     _platforms._current_platform = HopperMoeCpuShimPlatform()
+    # vllm._custom_ops bound `current_platform` at import (above, while vLLM still saw the
+    # platform it detected): point it at the shim platform too.
+    vllm._custom_ops.current_platform = _platforms._current_platform
 
 
 # ------------------------------------------------------------------------------- 2. layer
