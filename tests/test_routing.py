@@ -2,8 +2,10 @@
 
 CPU op vs the fp32 reference (ids exact; weights within a few ulps, since the reference uses
 torch.exp while the ops share routing::exp_f32), edge cases (T = 0 and 1, E not a power of two,
-K = E, tied rows, NaN/inf rows, bias, padding, renormalize, strided and misaligned gating), every
-argument check, opcheck. On a GPU: the CUDA op vs the CPU op bit for bit (same arithmetic by
+K = E, tied rows, NaN/inf rows, bias, padding, renormalize, strided and misaligned gating), the
+behaviours vLLM 0.33's kernels define (non-finite logits: finite weights and distinct ids; ties:
+lowest id first; grouped_topk: every scores x bias dtype pair, fp32 sigmoid), every argument
+check, opcheck. On a GPU: the CUDA op vs the CPU op bit for bit (same arithmetic by
 construction) over many shapes, dtypes and index dtypes, through both kernel paths (rows in
 shared memory, E <= 1024; rows in a global workspace, E > 1024) and both load paths (16-byte
 vectors, scalars), plus determinism over 20 reruns and CUDA-graph replay.
@@ -268,16 +270,21 @@ def test_gating_nan_and_inf_rows(op, K, device):
         out = run_gating(op, x, K, renormalize, scale=1.5)
         assert_valid_ids(out[1], 6)
         assert_gating_matches_reference(out, ref_gating(op, x, K, renormalize, scale=1.5))
-    ids = as_int64(run_gating(op, x, K)[1])
+    weights, ids, _ = run_gating(op, x, K)
+    ids = as_int64(ids)
+    assert bool(torch.isfinite(weights).all())
     if op == "softmax":
-        # a NaN, a +inf or only -inf make the whole softmax NaN: ids 0..K-1
+        # a NaN, a +inf or only -inf make the whole softmax NaN, which counts as 0: ids 0..K-1,
+        # weights 0
         for row in (0, 1, 2, 4, 5, 6):
             assert ids[row].tolist() == list(range(K))
-        assert ids[3].tolist() == [5, 3, 2, 1, 0, 4][:K]  # -inf ranks after the numbers
+            assert weights[row].tolist() == [0.0] * K
+        assert ids[3].tolist() == [5, 3, 2, 1, 0, 4][:K]  # exp(-inf) = 0: after the numbers
     else:
-        assert ids[0].tolist() == [3, 2, 1, 4, 5, 0][:K]  # NaN ranks last
+        assert ids[0].tolist() == [3, 2, 1, 4, 5, 0][:K]  # sigmoid(NaN) counts as 0
         assert ids[3].tolist() == [5, 3, 2, 1, 0, 4][:K]
-        assert ids[5].tolist() == [0, 5, 4, 3, 1, 2][:K]
+        assert ids[5].tolist() == [0, 5, 4, 3, 1, 2][:K]  # sigmoid(+inf) = 1, sigmoid(-inf) = 0
+        assert weights[5].tolist()[:2] == [1.0, 1.0][:K]
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -426,6 +433,139 @@ def test_grouped_topk_nonfinite_scores(scoring_func, device):
         assert torch.equal(ids.cpu(), ref_ids)
         assert_weights_close(weights, ref_weights)
         assert ids[0].tolist() == list(range(topk))  # an all-NaN row: lowest groups and ids
+        assert torch.equal(weights[0].cpu(), torch.full((topk,), 1.0 / topk))  # uniform weights
+        assert bool(torch.isfinite(weights).all())
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", GATING_OPS)
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_gating_poisoned_rows_stay_finite_and_distinct(bad, op, dtype, device):
+    """vLLM 0.33 treats NaN/+-inf logits as input (degenerate hidden states of padded tokens):
+    a probability that is not finite counts as 0, so the weights stay finite and the ids of a row
+    distinct, lowest ids first, or the largest biases first with a bias."""
+    E, K = 16, 4
+    x = make_logits(4, E, dtype, seed=21)
+    x[1:] = bad
+    x = x.to(device)
+    bias = make_bias(E, op, torch.float32, seed=22, device=device)
+    by_bias = torch.sort(bias.cpu(), descending=True, stable=True).indices[:K].tolist()
+    for b in (None, bias):
+        for renormalize in (False, True):
+            out = run_gating(op, x, K, renormalize, b, scale=2.0)
+            weights, ids, _ = out
+            assert bool(torch.isfinite(weights).all())
+            assert_valid_ids(ids, E)
+            assert_gating_matches_reference(out, ref_gating(op, x, K, renormalize, b, scale=2.0))
+            # sigmoid(+inf) = 1 is a finite probability; everything else here counts as 0
+            p = 1.0 if (op == "sigmoid" and bad == INF) else 0.0
+            if renormalize and p > 0:
+                p = 1.0 / K
+            want = p * (2.0 if op == "sigmoid" else 1.0)
+            for row in (1, 2, 3):
+                assert as_int64(ids)[row].tolist() == (list(range(K)) if b is None else by_bias)
+                assert weights[row].cpu().tolist() == [want] * K
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("op", GATING_OPS)
+def test_gating_exact_ties_pick_lowest_id_unlike_cpu_torch_topk(op, device):
+    """A bf16 row of vLLM's test_fused_topk data (seed 0, 33 tokens, hidden 2048, 16 experts, on
+    the CPU): experts 7 and 10 tie. vLLM's kernels and hopper_moe pick the lower id first
+    ([9, 7, 10]); torch.topk on the CPU returns [9, 10, 7] for this row (its tie order follows
+    its selection algorithm, not the index), which is where vLLM's test, run on the CPU,
+    differs."""
+    row = [-0.515625, -1.046875, 0.484375, -1.9140625, 0.030517578125, -0.69921875, -0.375,
+           0.6953125, 0.30859375, 1.8828125, 0.6953125, -2.03125, -0.181640625,
+           0.10693359375, -0.003814697265625, 0.65625]
+    x = torch.tensor([row], dtype=torch.bfloat16, device=device)
+    for K in (3, 4):
+        ids = as_int64(run_gating(op, x, K)[1])
+        assert ids.tolist() == [[9, 7, 10, 15][:K]]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("bias_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_topk_every_dtype_pair(dtype, bias_dtype, device):
+    """Scores and correction bias each f32, f16 or bf16: the nine pairs vLLM 0.33 takes."""
+    T, E = 9, 64
+    x = make_logits(T, E, dtype, seed=31)
+    x[2, 5] = NAN
+    x[3, :3] = INF
+    x = x.to(device)
+    bias = make_bias(E, "sigmoid", bias_dtype, seed=32, device=device)
+    for scoring_func in (0, 1):
+        for n_group, topk_group, topk, renormalize, scale in [(8, 4, 8, True, 2.5),
+                                                               (1, 1, 6, False, 1.0)]:
+            args = (n_group, topk_group, topk, renormalize, scale, bias, scoring_func)
+            weights, ids = run_grouped(x, *args)
+            ref_weights, ref_ids = ref_grouped(x, *args)
+            assert torch.equal(ids.cpu(), ref_ids)
+            assert_weights_close(weights, ref_weights)
+            assert_valid_ids(ids, E)
+            # the bias counts as its fp32 value: the same call with it widened agrees bit for bit
+            wide = run_grouped(x, n_group, topk_group, topk, renormalize, scale, bias.float(),
+                               scoring_func)
+            assert_bitwise_equal(weights, wide[0])
+            assert_bitwise_equal(ids, wide[1])
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_finite", [0, 15])
+@pytest.mark.parametrize("E", [512, 896])
+def test_grouped_topk_nonfinite_rank_last_with_weight_zero(E, num_finite, renormalize, device):
+    """vLLM 0.33's grouped_topk: an expert whose logit is NaN or +-inf (or whose bias is not
+    finite) ranks after every finite one, lower id first, with weight 0; a row without any
+    finite pick gets weights 1/topk (renormalize) or 0, without the scaling factor."""
+    x = torch.full((1, E), NAN, dtype=torch.bfloat16)
+    x[0, :num_finite] = torch.arange(num_finite, dtype=torch.bfloat16)
+    x[0, num_finite] = INF
+    x[0, num_finite + 1] = -INF
+    x = x.to(device)
+    bias = torch.zeros(E, device=device)
+    weights, ids = run_grouped(x, 1, 1, 16, renormalize, 2.5, bias, 1)
+    if num_finite == 0:
+        assert ids.tolist() == [list(range(16))]
+        assert weights.tolist() == [[1.0 / 16 if renormalize else 0.0] * 16]
+    else:
+        assert ids.tolist() == [list(range(num_finite - 1, -1, -1)) + [num_finite]]
+        s = torch.sigmoid(torch.arange(num_finite - 1, -1, -1, dtype=torch.float32))
+        if renormalize:
+            s = s / s.sum()
+        want = torch.cat([s * 2.5, torch.zeros(1)])[None]
+        torch.testing.assert_close(weights.cpu(), want, atol=2e-6, rtol=0)
+        assert weights[0, -1].item() == 0.0
+    assert_weights_close(weights, ref_grouped(x, 1, 1, 16, renormalize, 2.5, bias, 1)[0])
+    # a non-finite bias makes its expert invalid the same way
+    x = make_logits(1, 8, seed=33).to(device)
+    bias = torch.zeros(8, device=device)
+    bias[int(x.argmax())] = INF
+    bias[int(x.argmin())] = NAN
+    weights, ids = run_grouped(x, 2, 2, 8, renormalize, 1.0, bias, 1)
+    assert ids[0, -2:].tolist() == sorted([int(x.argmax()), int(x.argmin())])
+    assert weights[0, -2:].tolist() == [0.0, 0.0]
+    assert torch.equal(ids.cpu(), ref_grouped(x, 2, 2, 8, renormalize, 1.0, bias, 1)[1])
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_grouped_topk_sigmoid_is_fp32_not_rounded_to_input_dtype(device):
+    """bf16 logits 5.0 and 5.03125 have fp32 sigmoids 0.99331 and 0.99351, which both round to
+    the bf16 value 0.9921875. vLLM 0.33's CUDA kernels compute the sigmoid in fp32 and never
+    round it to the input dtype, so expert 1 wins; a bf16-rounded sigmoid would tie and pick
+    expert 0. The weight is the fp32 sigmoid too."""
+    x = torch.tensor([[5.0, 5.03125, -4.0, -4.0]], dtype=torch.bfloat16)
+    s = torch.sigmoid(x.float())
+    assert s[0, 0] != s[0, 1]
+    assert x.sigmoid()[0, 0] == x.sigmoid()[0, 1]  # the rounded sigmoids tie
+    bias = torch.zeros(4, device=device)
+    for n_group, topk_group in [(1, 1), (2, 1)]:
+        weights, ids = run_grouped(x.to(device), n_group, topk_group, 1, False, 1.0, bias, 1)
+        assert ids.tolist() == [[1]]
+        torch.testing.assert_close(weights.cpu(), s[:, 1:2], rtol=4e-7, atol=0)
+        assert weights.item() != x.sigmoid()[0, 1].float().item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,8 +715,8 @@ BAD_GROUPED = [
      lambda d: dict(scores=torch.empty(1, 2 ** 31, dtype=torch.float16, device=d)),
      r"scores.size\(1\) \(num_experts\) must fit in int32"),
     ("bias_rank", lambda d: dict(bias=torch.zeros(1, 8, device=d)), r"bias must be 1-D"),
-    ("bias_dtype", lambda d: dict(bias=torch.zeros(8, dtype=torch.bfloat16, device=d)),
-     r"bias must have dtype Float or scores's dtype Float \(got BFloat16\)"),
+    ("bias_dtype", lambda d: dict(bias=torch.zeros(8, dtype=torch.int32, device=d)),
+     r"bias must have dtype Float, Half or BFloat16 \(got Int\)"),
     ("bias_size", lambda d: dict(bias=torch.zeros(16, device=d)), r"bias.size\(0\) must be 8"),
     ("bias_contiguous", lambda d: dict(bias=torch.zeros(16, device=d)[::2]),
      r"bias must be contiguous"),
@@ -716,7 +856,11 @@ def test_gating_gpu_ties_and_nonfinite(op, E):
     noisy[pick < 0.03] = NAN
     noisy[(pick >= 0.03) & (pick < 0.05)] = INF
     noisy[(pick >= 0.05) & (pick < 0.08)] = -INF
-    for x in (ties, noisy):
+    poisoned = make_logits(T, E, seed=E + 3)  # whole rows of NaN, +inf, -inf between normal ones
+    poisoned[::4] = NAN
+    poisoned[1::4] = INF
+    poisoned[2::4] = -INF
+    for x in (ties, noisy, poisoned):
         for K in (1, 8, E):
             bias = make_bias(E, op, dtype=x.dtype) if K == 8 else None
             cpu = run_gating(op, x, K, True, bias, scale=2.0)
@@ -768,6 +912,35 @@ def test_grouped_topk_gpu_many_tokens_and_nonfinite():
         assert_bitwise_equal(cuda[0], cpu[0])
         assert_bitwise_equal(cuda[1], cpu[1])
         assert_valid_ids(cuda[1], 256)
+
+
+@gpu
+@pytest.mark.parametrize("bias_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_topk_gpu_dtype_pairs_and_nonfinite_match_cpu(dtype, bias_dtype):
+    """Every scores x bias dtype pair, with NaN/+-inf logits and biases and a row without a
+    finite score, through the shared-memory (E <= 1024) and global-workspace kernels."""
+    for T, E, n_group, topk_group, topk in [(300, 256, 8, 4, 8), (17, 896, 1, 1, 16),
+                                            (5, 1500, 5, 2, 10)]:
+        x = make_logits(T, E, dtype, seed=E)
+        pick = torch.rand(T, E, generator=seeded(E + 1))
+        x[pick < 0.05] = NAN
+        x[(pick >= 0.05) & (pick < 0.07)] = INF
+        x[(pick >= 0.07) & (pick < 0.09)] = -INF
+        x[0] = NAN
+        bias = make_bias(E, "sigmoid", bias_dtype, seed=E + 2)
+        bias[3] = INF
+        bias[4] = NAN
+        for scoring_func in (0, 1):
+            for renormalize, scale in [(True, 2.5), (False, 1.0)]:
+                args = (n_group, topk_group, topk, renormalize, scale)
+                cpu = run_grouped(x, *args, bias, scoring_func)
+                cuda = run_grouped(x.cuda(), *args, bias.cuda(), scoring_func)
+                assert_bitwise_equal(cuda[0], cpu[0])
+                assert_bitwise_equal(cuda[1], cpu[1])
+                assert_valid_ids(cuda[1], E)
+                assert bool(torch.isfinite(cuda[0]).all())
+                assert torch.equal(cuda[1][0].cpu(), torch.arange(topk, dtype=torch.int32))
 
 
 @gpu

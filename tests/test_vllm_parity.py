@@ -142,3 +142,48 @@ def test_align_scatter_idx_masks_invalid_routes(device, num_experts, num_tokens,
                            "scatter_idx"]):
         assert_same(a, b, name)
     check_align_invariants(ids, num_experts, 32, emap, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_topk_poisoned_logits(device, scoring_func, bad, dtype):
+    """NaN/Inf gating logits (vLLM's test_fused_topk_nan_inf_clamp): vLLM 0.33 clamps
+    non-finite probabilities to 0, so every row keeps distinct ids and finite weights; hopper_moe
+    used to return NaN weights. The normal row is unchanged."""
+    g = torch.Generator().manual_seed(0)
+    gating = torch.randn(4, 16, generator=g).to(dtype)
+    gating[1:] = bad
+    hidden = torch.zeros(4, 8, dtype=dtype)
+    weights, ids, _ = hopper_moe.fused_topk(hidden.to(device), gating.to(device), 4, False,
+                                            scoring_func=scoring_func)
+    weights, ids = weights.cpu(), ids.cpu()
+    assert bool(torch.isfinite(weights).all())
+    for row in range(4):
+        assert ids[row].unique().numel() == 4
+    assert ids[1:].tolist() == [[0, 1, 2, 3]] * 3
+    scores = (torch.softmax if scoring_func == "softmax" else torch.sigmoid)(
+        gating[:1].float(), **({"dim": -1} if scoring_func == "softmax" else {}))
+    ref_w, ref_ids = torch.topk(scores, 4)
+    assert ids[:1].tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights[:1], ref_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_grouped_topk_takes_every_bias_dtype(device, dtype, bias_dtype):
+    """vLLM 0.33's grouped_topk takes scores and e_score_correction_bias in any of f32/f16/bf16
+    (its test_grouped_topk_single_group_tiers uses six of the pairs); hopper_moe used to reject
+    a bias that was neither f32 nor the scores' dtype."""
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(5, 513, generator=g).to(dtype).to(device)
+    bias = torch.randn(513, generator=g).to(bias_dtype).to(device)
+    weights, ids = hopper_moe.ops.grouped_topk(scores, 1, 1, 9, True, 2.5, bias, 1)
+    s = torch.sigmoid(scores.float().cpu())
+    want = torch.sort(s + bias.float().cpu(), dim=-1, descending=True, stable=True).indices[:, :9]
+    assert ids.cpu().tolist() == want.tolist()
+    w = s.gather(1, want)
+    torch.testing.assert_close(weights.cpu(), w / w.sum(-1, keepdim=True) * 2.5, atol=2e-6,
+                               rtol=0)

@@ -99,8 +99,8 @@ void topk_sigmoid(at::Tensor& topk_weights, at::Tensor& topk_indices,
               bias, is_padding);
 }
 
-// scores [T, E] f32/f16/bf16 with a unit-stride last dim; bias [E] f32 or the scores dtype on
-// the same device; E % n_group == 0; 1 <= topk_group <= n_group;
+// scores [T, E] f32/f16/bf16 with a unit-stride last dim; bias [E] f32/f16/bf16 (any of the
+// nine pairs, as vLLM) on the same device; E % n_group == 0; 1 <= topk_group <= n_group;
 // 1 <= topk <= topk_group * (E / n_group); scoring_func 0 (none) or 1 (sigmoid).
 void grouped_topk(const at::Tensor& scores, int64_t n_group, int64_t topk_group, int64_t topk,
                   bool renormalize, double routed_scaling_factor, const at::Tensor& bias,
@@ -117,7 +117,7 @@ void grouped_topk(const at::Tensor& scores, int64_t n_group, int64_t topk_group,
 
   HM_CHECK_SAME_DEVICE(op, bias, scores);
   HM_CHECK_DIM(op, bias, 1);
-  check_bias_dtype(op, bias, scores, "scores");
+  HM_CHECK_DTYPE(op, bias, HM_FLOAT_DTYPES);
   HM_CHECK_SIZE(op, bias, 0, num_experts, "num_experts = scores.size(1)");
   HM_CHECK_CONTIGUOUS(op, bias);
 

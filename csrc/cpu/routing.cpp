@@ -2,31 +2,38 @@
 //
 // These loops ARE the semantics; the CUDA kernels reproduce them bit for bit (same float
 // operations through topk_math.cuh, sums in the same order) and the tests compare the two with
-// torch.equal. Same semantics as vLLM's ops, with these decisions where vLLM is ambiguous:
+// torch.equal. Same semantics as vLLM 0.33's kernels, with these decisions where vLLM is
+// ambiguous (docs/OPS.md, "Routing", says why):
 //
 // Rank order (every selection below): higher score first; a NaN score ranks after every number,
 // -inf included; equal scores (and -0 == +0) go to the lower expert id. So the K ids of a row
-// are always K distinct experts in [0, E), NaN or not.
+// are always K distinct experts in [0, E), whatever the inputs hold.
 //
 // topk_softmax: x = float(gating[t]); max = largest non-NaN x (-inf if none);
-//   ex[e] = exp(x[e] - max); sum = ordered_sum(ex); p[e] = ex[e] / sum.
+//   ex[e] = exp(x[e] - max); sum = ordered_sum(ex); p[e] = ex[e] / sum, then p[e] = 0 where it is
+//   not finite (vLLM's clamp: a row holding a NaN or +inf, or only -inf, has p = NaN everywhere
+//   before it, so such a row becomes all zeros).
 //   score[e] = p[e] + float(bias[e]) (p[e] without bias); ids = the K best scores in rank
-//   order; weights = p[id] (unbiased). renormalize: weights / s with s = ordered_sum(weights),
-//   s replaced by 1 when it is not > 0 (vLLM's guard). A row holding NaN or +inf, or only -inf,
-//   has p = NaN everywhere (softmax arithmetic: inf - inf, NaN / NaN), hence ids 0..K-1 and
-//   NaN weights.
-// topk_sigmoid: p[e] = 1 / (1 + exp(-x[e])); selection and renormalize as above; then every
+//   order, so a zeroed row picks 0..K-1 (or the K largest biases); weights = p[id] (unbiased).
+//   renormalize: weights / s with s = ordered_sum(weights), s replaced by 1 when it is not > 0
+//   (vLLM's guard: a zeroed row keeps weights 0).
+// topk_sigmoid: p[e] = 1 / (1 + exp(-x[e])), 0 where that is not finite (x = NaN; x = +inf
+//   gives 1 and x = -inf gives 0, both finite); selection and renormalize as above; then every
 //   weight is multiplied by float(routed_scaling_factor), renormalized or not (vLLM applies the
 //   factor after the optional renormalization, always).
 // Both: is_padding[t] rows get ids -1 and weights 0; token_expert_indices[t, k] = k * T + t on
 //   every row.
-// grouped_topk: s[e] = sigmoid(x[e]) (scoring_func 1) or x[e] (0); sb[e] = s[e] + float(bias[e]).
+// grouped_topk: s[e] = sigmoid(x[e]) in fp32 (scoring_func 1; never rounded to the scores
+//   dtype, as vLLM's kernels) or x[e] (0). Expert e is valid when x[e], bias[e] and
+//   sb[e] = s[e] + float(bias[e]) are all finite; an invalid expert gets sb[e] = -inf (so it
+//   ranks after every valid one; -inf ties go to the lower id) and weight 0.
 //   Group g holds experts [g*G, (g+1)*G), G = E / n_group; its score is sb of its best expert
 //   plus sb of its second best (rank order; the best alone when G == 1). The topk_group best
 //   groups (rank order on group scores, lower group first on ties) are kept; ids = the topk best
-//   sb among the kept groups' experts; weights = s[id]. renormalize: w / (ordered_sum(w) + 1e-20)
-//   * factor, else w * factor (vLLM's arithmetic). vLLM gives rows without a finite group score
-//   the ids 0..topk-1; here NaN simply ranks last, as in the other two ops.
+//   sb among the kept groups' experts; w = s[id] for valid ids, 0 for invalid ones.
+//   If every picked id is invalid: weights = 1/topk when renormalize, else 0 (vLLM's output
+//   for a row without a finite score; the factor is not applied). Otherwise renormalize:
+//   w / (ordered_sum(w) + 1e-20) * factor, else w * factor (vLLM's arithmetic).
 //
 // exp and / are routing::exp_f32 (<= 1.01 ulp) and routing::div_f32 (correctly rounded but for
 // subnormal quotients), identical on host and device. ordered_sum(v) adds
@@ -47,6 +54,7 @@ namespace {
 
 using routing::div_f32;
 using routing::exp_f32;
+using routing::finite_f32;
 using routing::sigmoid_f32;
 
 // True when expert (or group) a with score sa is picked before b with score sb.
@@ -132,7 +140,10 @@ void topk_gating(at::Tensor& topk_weights, at::Tensor& topk_indices,
       const float sum = ordered_sum(p);
       for (int64_t e = 0; e < E; ++e) p[e] = div_f32(p[e], sum);
     }
-    for (int64_t e = 0; e < E; ++e) score[e] = bp ? p[e] + bp[e] : p[e];
+    for (int64_t e = 0; e < E; ++e) {
+      if (!finite_f32(p[e])) p[e] = 0.0f;
+      score[e] = bp ? p[e] + bp[e] : p[e];
+    }
 
     const std::vector<int64_t> ids = best_k(score, experts, K);
     for (int64_t k = 0; k < K; ++k) w[k] = p[ids[k]];
@@ -190,14 +201,18 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
   int32_t* idp = ids.data_ptr<int32_t>();
   const float factor = static_cast<float>(routed_scaling_factor);
 
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   std::vector<float> s(E), sb(E), group_score(n_group), w(topk);
   std::vector<int64_t> groups(n_group);
   std::iota(groups.begin(), groups.end(), 0);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = xp + t * E;
     for (int64_t e = 0; e < E; ++e) {
-      s[e] = scoring_func == 1 ? sigmoid_f32(row[e]) : row[e];
-      sb[e] = s[e] + bp[e];
+      const float v = scoring_func == 1 ? sigmoid_f32(row[e]) : row[e];
+      const float biased = v + bp[e];
+      const bool valid = finite_f32(row[e]) && finite_f32(bp[e]) && finite_f32(biased);
+      s[e] = valid ? v : 0.0f;
+      sb[e] = valid ? biased : -kInf;
     }
     for (int64_t g = 0; g < n_group; ++g) {
       std::vector<int64_t> members(G);
@@ -210,11 +225,18 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
       for (int64_t e = g * G; e < (g + 1) * G; ++e) candidates.push_back(e);
     }
     const std::vector<int64_t> chosen = best_k(sb, candidates, topk);
-    for (int64_t k = 0; k < topk; ++k) w[k] = s[chosen[k]];
+    bool any_valid = false;
+    for (int64_t k = 0; k < topk; ++k) {
+      w[k] = s[chosen[k]];
+      any_valid = any_valid || sb[chosen[k]] != -kInf;
+    }
     const float denom = ordered_sum(w) + 1e-20f;
+    const float uniform = renormalize ? div_f32(1.0f, static_cast<float>(topk)) : 0.0f;
     for (int64_t k = 0; k < topk; ++k) {
       idp[t * topk + k] = static_cast<int32_t>(chosen[k]);
-      wp[t * topk + k] = renormalize ? div_f32(w[k], denom) * factor : w[k] * factor;
+      float v = uniform;
+      if (any_valid) v = renormalize ? div_f32(w[k], denom) * factor : w[k] * factor;
+      wp[t * topk + k] = v;
     }
   }
   return {weights, ids};

@@ -20,6 +20,17 @@ using routing::kMaxSmemExperts;
 using routing::kThreadsPerBlock;
 using routing::kWarpsPerBlock;
 
+routing::BiasType bias_type_of(const at::Tensor& bias) {
+  switch (bias.scalar_type()) {
+    case at::kHalf:
+      return routing::BiasType::kF16;
+    case at::kBFloat16:
+      return routing::BiasType::kBF16;
+    default:
+      return routing::BiasType::kF32;  // the checks allow no other dtype
+  }
+}
+
 int multiprocessor_count(int device) {
   int count = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
@@ -113,7 +124,7 @@ void topk_gating(at::Tensor& topk_weights, at::Tensor& topk_indices,
   params.num_experts = static_cast<int>(gating_output.size(1));
   params.top_k = static_cast<int>(topk_weights.size(1));
   params.bias = bias ? bias->data_ptr() : nullptr;
-  params.bias_is_f32 = bias && bias->scalar_type() == at::kFloat;
+  params.bias_type = bias ? bias_type_of(*bias) : routing::BiasType::kF32;
   params.is_padding = is_padding ? is_padding->data_ptr<bool>() : nullptr;
   params.weights = topk_weights.data_ptr<float>();
   params.indices = topk_indices.data_ptr();
@@ -185,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
   params.topk_group = static_cast<int>(topk_group);
   params.top_k = static_cast<int>(topk);
   params.bias = bias.data_ptr();
-  params.bias_is_f32 = bias.scalar_type() == at::kFloat;
+  params.bias_type = bias_type_of(bias);
   params.renormalize = renormalize;
   params.scale = static_cast<float>(routed_scaling_factor);
   params.weights = weights.data_ptr<float>();

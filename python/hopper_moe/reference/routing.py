@@ -4,12 +4,16 @@ The semantics (documented in full in csrc/cpu/routing.cpp):
   * rank order: higher score first, NaN after every number (-inf included), ties to the lower
     expert (or group) index, so the ids of a row are always distinct and in [0, E);
   * topk_softmax selects on softmax(x) (+ bias) and returns the unbiased softmax of the chosen;
-    topk_sigmoid the same with sigmoid(x), times routed_scaling_factor; renormalize divides by
-    the weights' sum (by 1 when that sum is not > 0); is_padding rows get ids -1, weights 0;
-    token_expert_indices[t, k] = k * T + t;
-  * grouped_topk (DeepSeek-V3): group score = sum of the group's best two biased scores; keep the
-    topk_group best groups; pick topk by biased score among their experts; weights are the
-    unbiased scores, renormalized by (sum + 1e-20), times routed_scaling_factor.
+    topk_sigmoid the same with sigmoid(x), times routed_scaling_factor; a probability that is
+    not finite counts as 0 (a softmax row holding NaN or +inf, or only -inf, is all zeros; a
+    NaN logit under sigmoid is 0); renormalize divides by the weights' sum (by 1 when that sum
+    is not > 0); is_padding rows get ids -1, weights 0; token_expert_indices[t, k] = k * T + t;
+  * grouped_topk (DeepSeek-V3): scores s = sigmoid(x) in fp32 or x; an expert whose x, bias or
+    s + bias is not finite is invalid: biased score -inf, weight 0. Group score = sum of the
+    group's best two biased scores; keep the topk_group best groups; pick topk by biased score
+    among their experts; weights are the unbiased scores, renormalized by (sum + 1e-20), times
+    routed_scaling_factor; a row whose picks are all invalid gets weights 1/topk
+    (renormalize) or 0.
 
 Written with plain torch ops (exp, sort, gather): independent of the C++ code, which shares its
 exp with the kernels. Weights agree with the ops to a few ulps; ids exactly, except where two
@@ -48,6 +52,10 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
+def _zero_if_not_finite(p: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(p), p, torch.zeros_like(p))
+
+
 def _topk_gating(probs, topk, renormalize, bias, scale, is_padding, indices_dtype):
     num_tokens = probs.shape[0]
     score = probs if bias is None else probs + bias.float()
@@ -72,7 +80,7 @@ def topk_softmax(gating_output: torch.Tensor, topk: int, renormalize: bool = Fal
                  bias: torch.Tensor | None = None, is_padding: torch.Tensor | None = None,
                  indices_dtype: torch.dtype = torch.int32):
     """Returns (topk_weights f32 [T,K], topk_indices [T,K], token_expert_indices int32 [T,K])."""
-    probs = _softmax(gating_output.float())
+    probs = _zero_if_not_finite(_softmax(gating_output.float()))
     return _topk_gating(probs, topk, renormalize, bias, None, is_padding, indices_dtype)
 
 
@@ -81,7 +89,7 @@ def topk_sigmoid(gating_output: torch.Tensor, topk: int, renormalize: bool = Fal
                  is_padding: torch.Tensor | None = None,
                  indices_dtype: torch.dtype = torch.int32):
     """Returns (topk_weights f32 [T,K], topk_indices [T,K], token_expert_indices int32 [T,K])."""
-    probs = _sigmoid(gating_output.float())
+    probs = _zero_if_not_finite(_sigmoid(gating_output.float()))
     scale = torch.tensor(routed_scaling_factor, dtype=torch.float32)
     return _topk_gating(probs, topk, renormalize, bias, scale, is_padding, indices_dtype)
 
@@ -92,8 +100,12 @@ def grouped_topk(scores: torch.Tensor, n_group: int, topk_group: int, topk: int,
     """Returns (weights f32 [T,topk], ids int32 [T,topk])."""
     num_tokens, num_experts = scores.shape
     group_size = num_experts // n_group
-    s = _sigmoid(scores.float()) if scoring_func == 1 else scores.float()
+    x = scores.float()
+    s = _sigmoid(x) if scoring_func == 1 else x
     sb = s + bias.float()
+    valid = torch.isfinite(x) & torch.isfinite(bias.float())[None, :] & torch.isfinite(sb)
+    s = torch.where(valid, s, torch.zeros_like(s))
+    sb = torch.where(valid, sb, torch.full_like(sb, float("-inf")))
     grouped = sb.view(num_tokens, n_group, group_size)
     top2 = grouped.gather(-1, routing_rank_order(grouped)[..., : min(2, group_size)])
     group_score = top2[..., 0] if group_size == 1 else top2[..., 0] + top2[..., 1]
@@ -109,4 +121,7 @@ def grouped_topk(scores: torch.Tensor, n_group: int, topk_group: int, topk: int,
         weights = weights / denom * scale
     else:
         weights = weights * scale
+    none_valid = ~valid.gather(1, ids).any(dim=-1, keepdim=True)
+    uniform = torch.full_like(weights, 1.0 / topk if renormalize else 0.0)
+    weights = torch.where(none_valid, uniform, weights)
     return weights.float(), ids.to(torch.int32)

@@ -120,10 +120,19 @@ __device__ __forceinline__ void for_each_in_row(const T* row, int n, int lane, F
   }
 }
 
-// A bias vector of E entries, fp32 or the gating dtype T.
-template <typename T>
-__device__ __forceinline__ float bias_at(const void* bias, bool bias_is_f32, int e) {
-  return bias_is_f32 ? static_cast<const float*>(bias)[e] : to_f32(static_cast<const T*>(bias)[e]);
+// The dtype of a bias vector: fp32, fp16 or bf16, whatever the dtype of the scores it is added
+// to (the checks say which pairs an op takes).
+enum class BiasType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+__device__ __forceinline__ float bias_at(const void* bias, BiasType type, int e) {
+  switch (type) {
+    case BiasType::kF16:
+      return to_f32(static_cast<const c10::Half*>(bias)[e]);
+    case BiasType::kBF16:
+      return to_f32(static_cast<const c10::BFloat16*>(bias)[e]);
+    default:
+      return static_cast<const float*>(bias)[e];
+  }
 }
 
 }  // namespace hopper_moe::routing

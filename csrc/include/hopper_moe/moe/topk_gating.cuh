@@ -5,8 +5,8 @@
 //   1. load the E logits (16-byte loads when the row allows) into the warp's scratch row
 //      (shared memory for E <= kMaxSmemExperts, else a global workspace, same layout);
 //   2. softmax: row max (NaN ignored), ex = exp(x - max), sum = warp_sum_f64 over lane-strided
-//      partials, p = ex / sum; sigmoid: p = 1 / (1 + exp(-x)); score = p (+ bias[e]);
-//      the scratch row then holds rank_key(score);
+//      partials, p = ex / sum; sigmoid: p = 1 / (1 + exp(-x)); p = 0 where it is not finite;
+//      score = p (+ bias[e]); the scratch row then holds rank_key(score);
 //   3. K arg-max passes over the keys; pass k's winner is broadcast to all lanes and lane
 //      k % 32 recomputes its unbiased weight p from the logit (same arithmetic as step 2) and
 //      writes id and weight;
@@ -27,7 +27,7 @@ struct TopkGatingParams {
   int num_experts;
   int top_k;
   const void* bias;     // [E] fp32 or the gating dtype, or nullptr
-  bool bias_is_f32;
+  BiasType bias_type;
   const bool* is_padding;  // [T] or nullptr
   float* weights;          // [T, K]
   void* indices;           // [T, K] int32 / uint32 (4 bytes) or int64
@@ -48,12 +48,16 @@ __device__ __forceinline__ void store_index(const TopkGatingParams& p, int64_t i
   }
 }
 
+// A non-finite probability (NaN or +inf logits in a softmax row, a NaN logit under sigmoid)
+// counts as 0.
+__device__ __forceinline__ float zero_if_not_finite(float p) { return finite_f32(p) ? p : 0.0f; }
+
 template <bool kSigmoid>
 __device__ __forceinline__ float gating_weight(float x, float row_max, float row_sum) {
   if constexpr (kSigmoid) {
-    return sigmoid_f32(x);
+    return zero_if_not_finite(sigmoid_f32(x));
   } else {
-    return div_f32(exp_f32(fsub_rn(x, row_max)), row_sum);
+    return zero_if_not_finite(div_f32(exp_f32(fsub_rn(x, row_max)), row_sum));
   }
 }
 
@@ -110,8 +114,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     }
     for (int e = lane; e < E; e += kWarpSize) {
       const float v = bits_to_f32(buf[pad_index(e)]);
-      float score = kSigmoid ? sigmoid_f32(v) : div_f32(v, row_sum);
-      if (p.bias != nullptr) score = fadd_rn(score, bias_at<T>(p.bias, p.bias_is_f32, e));
+      float score = zero_if_not_finite(kSigmoid ? sigmoid_f32(v) : div_f32(v, row_sum));
+      if (p.bias != nullptr) score = fadd_rn(score, bias_at(p.bias, p.bias_type, e));
       buf[pad_index(e)] = rank_key(score);
     }
     __syncwarp();

@@ -3,7 +3,8 @@
 // Layout: blocks of kWarpsPerBlock independent warps, one token row per warp at a time
 // (grid-stride). The warp's scratch row (shared memory for E <= kMaxSmemExperts, else a global
 // workspace) holds E value words followed by n_group group words. Per row:
-//   1. s = f(x) (sigmoid, or x as is), sb = s + bias[e]; store sb;
+//   1. s = f(x) (sigmoid in fp32, or x as is), sb = s + bias[e]; store sb, or -inf when x,
+//      bias[e] or sb is not finite (an invalid expert);
 //   2. group scores: lanes split into sub-warps of `lanes_per_group` lanes (a power of two;
 //      1 when n_group >= 32), one sub-warp per group, each finds its group's top-2 sb
 //      candidates (sub-warp butterfly on uint64 candidates) and stores sb1 + sb2 (sb1 alone
@@ -12,8 +13,9 @@
 //      is kept iff its candidate is >= the threshold's;
 //   4. the value words become keys: rank_key(sb) in kept groups, 0 ("not eligible") elsewhere;
 //   5. topk arg-max passes over the keys; lane k % 32 recomputes the winner's unbiased s from
-//      the logit and writes id and weight;
-//   6. renormalize: w / (fp64 sum of the topk weights + 1e-20) * routed_scaling_factor; else
+//      the logit (0 for an invalid winner, whose key is rank_key(-inf)) and writes id and weight;
+//   6. no valid winner: every weight 1/topk (renormalize) or 0; else renormalize:
+//      w / (fp64 sum of the topk weights + 1e-20) * routed_scaling_factor, or
 //      w * routed_scaling_factor.
 // topk <= topk_group * (E / n_group) (checked), so kept groups always hold enough experts.
 #pragma once
@@ -32,8 +34,8 @@ struct GroupedTopkParams {
   int lanes_per_group;  // power of two; 32 / lanes_per_group groups per step
   int topk_group;
   int top_k;
-  const void* bias;  // [E] fp32 or the scores dtype
-  bool bias_is_f32;
+  const void* bias;  // [E] fp32, fp16 or bf16
+  BiasType bias_type;
   bool renormalize;
   float scale;      // routed_scaling_factor
   float* weights;   // [T, topk]
@@ -73,8 +75,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     // 1. biased scores
     __syncwarp();  // the previous row's passes are done with buf
     for_each_in_row<T, kVec>(x, E, lane, [&](float v, int e) {
-      const float sb = fadd_rn(grouped_score<kSigmoid>(v), bias_at<T>(p.bias, p.bias_is_f32, e));
-      buf[pad_index(e)] = f32_to_bits(sb);
+      const float b = bias_at(p.bias, p.bias_type, e);
+      const float sb = fadd_rn(grouped_score<kSigmoid>(v), b);
+      const bool valid = finite_f32(v) && finite_f32(b) && finite_f32(sb);
+      buf[pad_index(e)] = f32_to_bits(valid ? sb : -INFINITY);
     });
     __syncwarp();
 
@@ -137,6 +141,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     const int64_t out = row * p.top_k;
     uint64_t prev = ~0ull;
     double weight_part = 0.0;
+    bool lane_any_valid = false;
+    const uint32_t invalid_key = rank_key(-INFINITY);
     for (int k = 0; k < p.top_k; ++k) {
       uint64_t best = 0;
       for (int e = lane; e < E; e += kWarpSize) {
@@ -148,10 +154,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       prev = best;
       if (lane == (k % kWarpSize)) {
         const int id = candidate_id(best);
+        const bool valid = static_cast<uint32_t>(best >> 32) != invalid_key;
         float w = 0.0f;
-        if (static_cast<unsigned>(id) < static_cast<unsigned>(E)) {
+        if (valid && static_cast<unsigned>(id) < static_cast<unsigned>(E)) {
           w = grouped_score<kSigmoid>(to_f32(x[id]));
         }
+        lane_any_valid = lane_any_valid || valid;
         p.ids[out + k] = id;
         p.weights[out + k] = w;
         weight_part += static_cast<double>(w);
@@ -159,10 +167,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     }
 
     // 6. renormalize and scale; lane k % 32 rereads only its own stores.
+    const bool any_valid = __any_sync(kFullMask, lane_any_valid);
     const float denom = fadd_rn(static_cast<float>(warp_sum_f64(weight_part)), 1e-20f);
+    const float uniform = p.renormalize ? div_f32(1.0f, static_cast<float>(p.top_k)) : 0.0f;
     for (int k = lane; k < p.top_k; k += kWarpSize) {
       float w = p.weights[out + k];
-      w = p.renormalize ? fmul_rn(div_f32(w, denom), p.scale) : fmul_rn(w, p.scale);
+      if (!any_valid) {
+        w = uniform;
+      } else {
+        w = p.renormalize ? fmul_rn(div_f32(w, denom), p.scale) : fmul_rn(w, p.scale);
+      }
       p.weights[out + k] = w;
     }
   }

@@ -78,6 +78,9 @@ HM_ROUTING_HD float div_f32(float a, float b) {
   return bits_to_f32(f32_to_bits(q) | sign);
 }
 
+// Neither NaN nor +-inf.
+HM_ROUTING_HD bool finite_f32(float x) { return (f32_to_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
 // 1 / (1 + exp(-x)): sigmoid(-inf) = 0, sigmoid(+inf) = 1, sigmoid(NaN) = NaN.
 HM_ROUTING_HD float sigmoid_f32(float x) {
   return div_f32(1.0f, fadd_rn(1.0f, exp_f32(-x)));
