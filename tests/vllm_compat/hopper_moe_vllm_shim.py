@@ -158,8 +158,8 @@ if _DEVICE == "cpu":
         of test_fused_topk). Index order is the one vLLM's kernels (and hopper_moe's) use, so
         ties the CPU data adds are resolved as the kernels resolve them."""
         order = torch.sort(input, dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((order.values.narrow(dim, 0, k),
-                                        order.indices.narrow(dim, 0, k)))
+        return torch.return_types.topk((order.values.narrow(dim, 0, k).contiguous(),
+                                        order.indices.narrow(dim, 0, k).contiguous()))
 
     class _CudaToCpu(TorchFunctionMode):
         """Maps device="cuda" arguments of torch functions and Tensor.to/.cuda to the CPU."""
