@@ -624,9 +624,14 @@ def reference(layer: Layer) -> torch.Tensor:
                              expert_map=layer.expert_map, quant=layer.quant)
 
 
-def check_close(out, ref, scheme):
-    atol, rtol = TOL[scheme.replace("_static", "").replace("_dynamic", "").replace(
+def tolerance(scheme):
+    """(atol, rtol) of a SCHEMES entry."""
+    return TOL[scheme.replace("_static", "").replace("_dynamic", "").replace(
         "fp8_tensor_token", "fp8_channel")]
+
+
+def check_close(out, ref, scheme):
+    atol, rtol = tolerance(scheme)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
     assert out.abs().max() > 0
@@ -700,8 +705,7 @@ def test_fused_moe_kernel_on_the_gpu_matches_the_reference(scheme, variant, warm
     # most REQUANT_MAX_FRACTION of them), the norm ratio as strict as on the CPU.
     from test_fused_moe import REQUANT_MAX_FRACTION, REQUANT_SLACK
 
-    atol, rtol = TOL[scheme.replace("_static", "").replace("_dynamic", "").replace(
-        "fp8_tensor_token", "fp8_channel")]
+    atol, rtol = tolerance(scheme)
     diff, tol = (out.float() - ref.float()).abs(), atol + rtol * ref.float().abs()
     assert (diff / tol).max().item() <= REQUANT_SLACK, (diff / tol).max().item()
     assert int((diff > tol).sum()) <= max(2, REQUANT_MAX_FRACTION * ref.numel())

@@ -114,23 +114,8 @@ fi
 # --- vLLM's tests: the sdist from PyPI (pip's simple index, hash checked), tests/ only
 SDIST=${HOPPER_MOE_VLLM_SDIST:-$WORK/vllm-$VLLM_VERSION.tar.gz}
 if [ ! -f "$SDIST" ]; then
-  # `pip download --no-binary :all: vllm==...` would also build vLLM's build requirements from
-  # source to prepare its metadata; the tarball is fetched from the same index directly.
   say "downloading vllm-$VLLM_VERSION.tar.gz from PyPI"
-  "$PY" - "$SDIST" "$VLLM_VERSION" <<'EOF'
-import hashlib, json, sys, urllib.request
-dest, version = sys.argv[1], sys.argv[2]
-req = urllib.request.Request("https://pypi.org/simple/vllm/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
-entry = next(f for f in files if f["filename"] == f"vllm-{version}.tar.gz")
-data = urllib.request.urlopen(entry["url"], timeout=600).read()
-digest = hashlib.sha256(data).hexdigest()
-if digest != entry["hashes"]["sha256"]:
-    sys.exit(f"sha256 mismatch: {digest} != {entry['hashes']['sha256']}")
-open(dest, "wb").write(data)
-print(f"vllm_kernel_tests: {entry['filename']} sha256 {digest}")
-EOF
+  "$PY" "$ROOT/tools/vllm_sdist.py" "$SDIST" "$VLLM_VERSION"
 fi
 SRC=$WORK/vllm-$VLLM_VERSION
 if [ ! -d "$SRC/tests/kernels" ]; then

@@ -267,20 +267,7 @@ SDIST=${HOPPER_MOE_VLLM_SDIST:-$WORK/vllm-$VLLM_VERSION.tar.gz}
   SDIST=$ROOT/build/vllm-kernel-tests/vllm-$VLLM_VERSION.tar.gz
 if [ ! -f "$SDIST" ]; then
   say "downloading vllm-$VLLM_VERSION.tar.gz (the sdist, for its tests/)"
-  # as tools/vllm_kernel_tests.sh does: pip's simple index, sha256 checked
-  "$PIP_PYTHON" - "$SDIST" "$VLLM_VERSION" <<'EOF'
-import hashlib, json, sys, urllib.request
-dest, version = sys.argv[1], sys.argv[2]
-req = urllib.request.Request("https://pypi.org/simple/vllm/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=120))["files"]
-entry = next(f for f in files if f["filename"] == f"vllm-{version}.tar.gz")
-data = urllib.request.urlopen(entry["url"], timeout=600).read()
-if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
-    sys.exit("sha256 mismatch")
-open(dest + ".tmp", "wb").write(data)
-EOF
-  mv "$SDIST.tmp" "$SDIST"
+  "$PIP_PYTHON" "$ROOT/tools/vllm_sdist.py" "$SDIST" "$VLLM_VERSION"
 fi
 "$PIP_PYTHON" - "$SDIST" "$TESTS.tmp" "vllm-$VLLM_VERSION" <<'EOF'
 import gzip, sys, tarfile
