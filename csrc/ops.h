@@ -41,6 +41,19 @@ using OptTensor = std::optional<at::Tensor>;
                    int64_t n_expert, int64_t n_local_expert, int64_t topk,                     \
                    at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,          \
                    at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx);                    \
+  void moe_permute_with_scratch(                                                               \
+      const at::Tensor& input, const at::Tensor& topk_ids,                                     \
+      const at::Tensor& token_expert_indices, const OptTensor& expert_map, int64_t n_expert,   \
+      int64_t n_local_expert, int64_t topk, at::Tensor& permuted_input,                        \
+      at::Tensor& expert_first_token_offset, at::Tensor& inv_permuted_idx,                     \
+      at::Tensor& permuted_idx, at::Tensor& sort_workspace, at::Tensor& permuted_experts_id,   \
+      at::Tensor& sorted_row_idx, at::Tensor& topk_ids_for_sort);                              \
+  void moe_prepare_scatter(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices, \
+                           const OptTensor& expert_map, int64_t n_expert,                      \
+                           int64_t n_local_expert, at::Tensor& expert_first_token_offset,      \
+                           at::Tensor& scatter_idx, at::Tensor& sort_workspace,                \
+                           at::Tensor& sorted_experts, at::Tensor& sorted_rows,                \
+                           at::Tensor& topk_ids_for_sort);                                     \
   void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights, \
                      const at::Tensor& inv_permuted_idx,                                       \
                      const OptTensor& expert_first_token_offset, int64_t topk,                 \
@@ -128,5 +141,12 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
 
 // True when this build can run cutlass_moe_mm on a GPU of the given capability (major*10+minor).
 bool cutlass_group_gemm_supported(int64_t cuda_device_capability);
+
+// moe_permute and moe_unpermute run on every device this build has (vLLM's capability query).
+bool moe_permute_unpermute_supported();
+
+// Bytes of the sort_workspace that moe_permute_with_scratch / moe_prepare_scatter need for
+// num_expanded_rows = num_tokens * topk slots and n_expert experts (any n_local_expert).
+int64_t moe_permute_sort_workspace_size(int64_t num_expanded_rows, int64_t n_expert);
 
 }  // namespace hopper_moe

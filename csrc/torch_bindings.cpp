@@ -5,6 +5,10 @@
 // Fake (meta) implementations are registered from Python (python/hopper_moe/_fake.py).
 #include <torch/library.h>
 
+#include <limits>
+
+#include "hopper_moe/common/checks.h"
+#include "hopper_moe/moe/sort_plan.h"
 #include "ops.h"
 
 namespace hopper_moe {
@@ -19,6 +23,18 @@ bool cutlass_group_gemm_supported(int64_t cuda_device_capability) {
   (void)cuda_device_capability;
   return false;
 #endif
+}
+
+bool moe_permute_unpermute_supported() { return true; }
+
+int64_t moe_permute_sort_workspace_size(int64_t num_expanded_rows, int64_t n_expert) {
+  constexpr const char* kOp = "moe_permute_sort_workspace_size";
+  HM_CHECK(kOp,
+           num_expanded_rows >= 0 && num_expanded_rows <= std::numeric_limits<int32_t>::max(),
+           "num_expanded_rows must be in [0, 2^31-1] (got ", num_expanded_rows, ")");
+  HM_CHECK(kOp, n_expert >= 1 && n_expert <= 65536, "n_expert must be in [1, 65536] (got ",
+           n_expert, ")");
+  return sort_plan::permute_workspace_bytes(num_expanded_rows, n_expert);
 }
 
 }  // namespace hopper_moe
@@ -46,10 +62,29 @@ TORCH_LIBRARY(hopper_moe, m) {
       "Tensor? expert_map, int n_expert, int n_local_expert, int topk, "
       "Tensor! permuted_input, Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, "
       "Tensor! permuted_idx)->()");
+  // moe_permute with the caller's scratch (vLLM's MoEPermuteScratch): sort_workspace of at
+  // least moe_permute_sort_workspace_size bytes, the other three int32 with at least
+  // num_tokens * topk elements; their contents are scratch. Results are moe_permute's.
+  m.def(
+      "moe_permute_with_scratch(Tensor input, Tensor topk_ids, Tensor token_expert_indices, "
+      "Tensor? expert_map, int n_expert, int n_local_expert, int topk, "
+      "Tensor! permuted_input, Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, "
+      "Tensor! permuted_idx, Tensor! sort_workspace, Tensor! permuted_experts_id, "
+      "Tensor! sorted_row_idx, Tensor! topk_ids_for_sort)->()");
+  // moe_permute's routing only: expert_first_token_offset and scatter_idx (= inv_permuted_idx).
+  m.def(
+      "moe_prepare_scatter(Tensor topk_ids, Tensor token_expert_indices, Tensor? expert_map, "
+      "int n_expert, int n_local_expert, Tensor! expert_first_token_offset, "
+      "Tensor! scatter_idx, Tensor! sort_workspace, Tensor! sorted_experts, "
+      "Tensor! sorted_rows, Tensor! topk_ids_for_sort)->()");
   m.def(
       "moe_unpermute(Tensor permuted_hidden_states, Tensor topk_weights, "
       "Tensor inv_permuted_idx, Tensor? expert_first_token_offset, int topk, "
       "Tensor! hidden_states)->()");
+  m.def("moe_permute_unpermute_supported() -> bool",
+        &hopper_moe::moe_permute_unpermute_supported);
+  m.def("moe_permute_sort_workspace_size(int num_expanded_rows, int n_expert) -> int",
+        &hopper_moe::moe_permute_sort_workspace_size);
   m.def("shuffle_rows(Tensor input_tensor, Tensor dst2src_map, Tensor! output_tensor) -> ()");
   m.def(
       "moe_sum(Tensor input, Tensor! output, Tensor? topk_ids=None, "
@@ -120,6 +155,8 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("grouped_topk", &ns::grouped_topk);                                                  \
   m.impl("moe_align_block_size", &ns::moe_align_block_size);                                  \
   m.impl("moe_permute", &ns::moe_permute);                                                    \
+  m.impl("moe_permute_with_scratch", &ns::moe_permute_with_scratch);                          \
+  m.impl("moe_prepare_scatter", &ns::moe_prepare_scatter);                                    \
   m.impl("moe_unpermute", &ns::moe_unpermute);                                                \
   m.impl("shuffle_rows", &ns::shuffle_rows);                                                  \
   m.impl("moe_sum", &ns::moe_sum);                                                            \

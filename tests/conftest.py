@@ -82,7 +82,8 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     elif t.dtype == torch.bool:
         t.fill_(True)
     else:
-        t.fill_(-7777)
+        info = torch.iinfo(t.dtype)  # -7777 where it fits, else the far end of the range
+        t.fill_(-7777 if info.min <= -7777 else (info.min if info.min < 0 else info.max))
     return t
 
 

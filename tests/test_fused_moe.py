@@ -341,7 +341,8 @@ def test_torch_backend_vs_reference(scheme, m, e, topk, h, i):
     p = make_problem(m, e, topk, h, i, scheme=scheme, seed=m * 100 + e * 10 + topk)
     out = run(p)
     assert out.shape == (m, h)
-    check_close(out, reference(p), scheme, f"{scheme} m={m} e={e} topk={topk} h={h} i={i}")
+    check_close(out, reference(p, precision_of=p), scheme,
+                f"{scheme} m={m} e={e} topk={topk} h={h} i={i}")
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor_static", "fp8_tensor_dynamic",
@@ -350,7 +351,7 @@ def test_torch_backend_vs_reference(scheme, m, e, topk, h, i):
 def test_torch_backend_odd_sizes(scheme, h, i):
     """H, I not multiples of 128 (and not of 16-byte alignment: the loop fallback)."""
     p = make_problem(9, 5, 2, h, i, scheme=scheme, seed=h + i)
-    check_close(run(p), reference(p), scheme, f"{scheme} h={h} i={i}")
+    check_close(run(p), reference(p, precision_of=p), scheme, f"{scheme} h={h} i={i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -359,7 +360,7 @@ def test_torch_backend_dtypes(dtype, scheme):
     p = make_problem(11, 4, 2, 128, 128, scheme=scheme, dtype=dtype, seed=5)
     out = run(p)
     assert out.dtype == dtype
-    check_close(out, reference(p), scheme, f"{scheme} {dtype}")
+    check_close(out, reference(p, precision_of=p), scheme, f"{scheme} {dtype}")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -367,7 +368,7 @@ def test_torch_backend_loop_fallback(scheme, monkeypatch):
     """The per-expert loop used when torch._grouped_mm cannot run gives the same numbers."""
     monkeypatch.setattr(tb, "_FORCE_LOOP_GEMM", True)
     p = make_problem(13, 6, 2, 128, 128, scheme=scheme, seed=9, num_local=4, invalid_ids=True)
-    check_close(run(p), reference(p), scheme, scheme)
+    check_close(run(p), reference(p, precision_of=p), scheme, scheme)
 
 
 @pytest.mark.parametrize("variant", ["per_out_ch_only", "per_act_token_only", "channel_2d"])
@@ -383,14 +384,14 @@ def test_torch_backend_channel_variants(variant):
         p.w1, p.w2 = w1q, w2q
         p.quant = QuantConfig(w1_scale=w1s, w2_scale=w2s, per_act_token_quant=True)
     assert p.quant.scheme == "fp8_channel"
-    check_close(run(p), reference(p), "fp8_channel", variant)
+    check_close(run(p), reference(p, precision_of=p), "fp8_channel", variant)
     check_close(reference(p), naive_layer(p), "fp8_channel", variant)
 
 
 @pytest.mark.parametrize("block_shape", [(64, 32), (32, 64), (128, 128)])
 def test_torch_backend_other_block_shapes(block_shape):
     p = make_problem(6, 4, 2, 256, 128, scheme="fp8_block", block_shape=block_shape, seed=2)
-    check_close(run(p), reference(p), "fp8_block", str(block_shape))
+    check_close(run(p), reference(p, precision_of=p), "fp8_block", str(block_shape))
     check_close(reference(p), naive_layer(p), "fp8_block", str(block_shape))
 
 
@@ -399,7 +400,7 @@ def test_torch_backend_int64_ids_and_noncontiguous_rows():
     big = torch.randn(7, 256).bfloat16()
     big[:, :128] = p.x
     p.x = big[:, :128]  # row stride 256, last-dim stride 1
-    check_close(run(p), reference(p), "bf16")
+    check_close(run(p), reference(p, precision_of=p), "bf16")
 
 
 # -------------------------------------------------------------------------------------- semantics
@@ -407,7 +408,7 @@ def test_torch_backend_int64_ids_and_noncontiguous_rows():
 def test_expert_map_minus_one(scheme):
     p = make_problem(17, 8, 3, 128, 128, scheme=scheme, seed=31, num_local=4)
     assert (p.expert_map == -1).sum() == 4
-    check_close(run(p), reference(p), scheme, scheme)
+    check_close(run(p), reference(p, precision_of=p), scheme, scheme)
     check_close(reference(p), naive_layer(p), scheme, scheme)
 
 
@@ -438,7 +439,7 @@ def test_ids_out_of_range_contribute_zero(scheme):
     p = make_problem(17, 6, 3, 128, 128, scheme=scheme, seed=41, invalid_ids=True)
     bad = (p.topk_ids < 0) | (p.topk_ids >= 6)
     assert bad.any() and not bad.all()
-    check_close(run(p), reference(p), scheme, scheme)
+    check_close(run(p), reference(p, precision_of=p), scheme, scheme)
     check_close(reference(p), naive_layer(p), scheme, scheme)
     if scheme in ("bf16", "fp8_channel", "fp8_block"):  # slot-local quantization only
         clean = replace(p, topk_ids=torch.where(bad, 0, p.topk_ids),
@@ -458,7 +459,7 @@ def test_nan_weight_of_invalid_slot_is_ignored():
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_apply_router_weight_on_input(scheme):
     p = make_problem(9, 5, 1, 128, 128, scheme=scheme, seed=51, on_input=True)
-    check_close(run(p), reference(p), scheme, scheme)
+    check_close(run(p), reference(p, precision_of=p), scheme, scheme)
     check_close(reference(p), naive_layer(p), scheme, scheme)
 
 
@@ -472,7 +473,7 @@ def test_apply_router_weight_on_input_equals_scaled_input():
 def test_all_tokens_on_one_expert_and_empty_experts():
     p = make_problem(33, 8, 1, 128, 128, seed=61)
     p.topk_ids.fill_(5)
-    check_close(run(p), reference(p), "bf16")
+    check_close(run(p), reference(p, precision_of=p), "bf16")
 
 
 def test_m0_returns_empty():
@@ -819,7 +820,8 @@ def test_fused_moe_is_topk_then_experts(scheme):
     gating = torch.randn(11, 8, generator=seeded(82))
     out = fused_moe(p.x, p.w1, p.w2, gating, 2, True, quant=p.quant, backend="torch")
     w, ids, _ = fused_topk_ref(gating, 2, True)
-    check_close(out, fused_experts_ref(p.x, p.w1, p.w2, w, ids, quant=p.quant), scheme)
+    check_close(out, fused_experts_ref(p.x, p.w1, p.w2, w, ids, quant=p.quant,
+                                       **tb.precision(p.x, p.w1, p.w2, p.quant)), scheme)
 
 
 # ------------------------------------------------------------------------------------------- fuzz
@@ -853,7 +855,7 @@ def fuzz_check(seed: int, device: str = "cpu"):
     p, scheme = fuzz_case(seed, "cpu")
     out = run(p, device=device)
     if device == "cpu":
-        check_close(out, reference(p), scheme, f"seed={seed}")
+        check_close(out, reference(p, precision_of=p), scheme, f"seed={seed}")
     else:
         check_gpu_result(p, out, scheme, f"seed={seed}")
 
@@ -946,11 +948,16 @@ def test_precision_model_emulated_on_cpu(scheme, monkeypatch):
     assert rel <= REL_NORM_FP32[base_scheme(scheme)], rel
 
 
-def test_precision_model_cpu_is_fp32():
-    for scheme in SCHEMES:
-        p = make_problem(3, 4, 2, 128, 128, scheme=scheme, dtype=torch.bfloat16)
-        assert tb.precision(p.x, p.w1, p.w2, p.quant) == {
-            "intermediate_dtype": None, "dequant_dtype": None}
+def test_precision_model_cpu():
+    """CPU: fp32, except an FP8 layer with fp16/bf16 activations, which stores its GEMM outputs
+    and SiLU*mul in the activation dtype with silu rounded first (vLLM's pipeline)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for scheme in SCHEMES:
+            p = make_problem(3, 4, 2, 128, 128, scheme=scheme, dtype=dtype)
+            want = {"intermediate_dtype": None, "dequant_dtype": None}
+            if p.quant is not None and dtype != torch.float32:
+                want = {"intermediate_dtype": dtype, "dequant_dtype": None, "silu_dtype": dtype}
+            assert tb.precision(p.x, p.w1, p.w2, p.quant) == want, (dtype, scheme)
 
 
 def test_reference_precision_knobs_change_the_result():

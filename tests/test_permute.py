@@ -1,4 +1,5 @@
-"""Tests of the permutation family: moe_align_block_size, moe_permute, moe_unpermute,
+"""Tests of the permutation family: moe_align_block_size, moe_permute (and its scratch forms
+moe_permute_with_scratch, moe_prepare_scatter), moe_unpermute,
 shuffle_rows.
 
 The CPU ops must equal hopper_moe.reference.permute bit for bit; the CUDA ops must equal the
@@ -432,6 +433,203 @@ def test_permute_opcheck(i):
     torch.library.opcheck(ops.moe_permute.default, permute_opcheck_samples("cpu")[i])
 
 
+# ---------------------------------------------- moe_permute_with_scratch, moe_prepare_scatter
+def scratch_buffers(slots, n_expert, dev, extra=0):
+    """vLLM's MoEPermuteScratch buffers (poisoned: their contents must not matter)."""
+    ws = ops.moe_permute_sort_workspace_size(slots, n_expert)
+    return (poison(torch.empty(ws + extra, dtype=torch.int8, device=dev)),
+            *(poison(torch.empty(slots + extra, dtype=torch.int32, device=dev))
+              for _ in range(3)))
+
+
+def run_permute_with_scratch(x, topk_ids, tei, emap, n_expert, n_local, topk, rows=None,
+                             pidx_len=None):
+    """moe_permute_with_scratch with run_permute's outputs."""
+    dev = x.device
+    slots = topk_ids.numel()
+    rows = slots if rows is None else rows
+    pidx_len = slots if pidx_len is None else pidx_len
+    permuted = poison(torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev))
+    offsets = poison(torch.empty(n_local + 1, dtype=torch.int64, device=dev))
+    inv = poison(torch.empty(topk_ids.shape, dtype=torch.int32, device=dev))
+    pidx = poison(torch.empty(pidx_len, dtype=torch.int32, device=dev))
+    before = permuted.clone()
+    ops.moe_permute_with_scratch(x, topk_ids, tei, emap, n_expert, n_local, topk, permuted,
+                                 offsets, inv, pidx, *scratch_buffers(slots, n_expert, dev))
+    return permuted, offsets, inv, pidx, before
+
+
+def run_prepare_scatter(topk_ids, tei, emap, n_expert, n_local):
+    """moe_prepare_scatter: (offsets, scatter_idx, sorted_rows[:slots])."""
+    dev = topk_ids.device
+    slots = topk_ids.numel()
+    offsets = poison(torch.empty(n_local + 1, dtype=torch.int64, device=dev))
+    scatter = poison(torch.empty(topk_ids.shape, dtype=torch.int32, device=dev))
+    ws, experts, rows, for_sort = scratch_buffers(slots, n_expert, dev, extra=3)
+    ops.moe_prepare_scatter(topk_ids, tei, emap, n_expert, n_local, offsets, scatter, ws,
+                            experts, rows, for_sort)
+    return offsets, scatter, rows[:slots]
+
+
+def permute_case(num_tokens, topk, n_expert, n_local, hidden, dtype, variant, g):
+    x = random_rows(num_tokens, hidden, dtype, g)
+    ids = random_ids(num_tokens, topk, n_expert, g,
+                     torch.int64 if variant == "int64" else torch.int32,
+                     invalid=0.2 if variant in ("invalid", "map") else 0.0,
+                     skew=variant == "skew")
+    slots = num_tokens * topk
+    tei = (torch.randperm(slots, generator=g).to(torch.int32) if variant == "srcperm"
+           else torch.arange(slots, dtype=torch.int32)).view(num_tokens, topk)
+    emap = random_expert_map(n_expert, n_local, g) if (variant == "map" or
+                                                       n_local < n_expert) else None
+    return x, ids, tei, emap, n_expert, n_local, topk
+
+
+SCRATCH_CASES = [
+    # (num_tokens, topk, n_expert, n_local, hidden)
+    (0, 2, 8, 8, 16), (1, 1, 4, 4, 8), (3, 2, 8, 3, 33), (17, 4, 16, 16, 64),
+    (64, 6, 130, 40, 24),
+]
+
+
+@pytest.mark.parametrize("num_tokens,topk,n_expert,n_local,hidden", SCRATCH_CASES)
+@pytest.mark.parametrize("variant", ["plain", "map", "invalid", "skew", "int64", "srcperm"])
+def test_scratch_forms_equal_moe_permute(num_tokens, topk, n_expert, n_local, hidden, variant):
+    g = seeded(num_tokens * 5 + topk + n_expert + hidden)
+    dtype = ROW_DTYPES[(num_tokens + hidden) % len(ROW_DTYPES)]
+    args = permute_case(num_tokens, topk, n_expert, n_local, hidden, dtype, variant, g)
+    slots = num_tokens * topk
+    want = run_permute(*args, rows=slots + 2, pidx_len=slots + 3)
+    got = run_permute_with_scratch(*args, rows=slots + 2, pidx_len=slots + 3)
+    for a, b, name in zip(got, want, ["permuted_input", "offsets", "inv", "pidx", "poison"]):
+        assert_same(a, b, name)  # rows past the valid count: the poison, as moe_permute
+    offsets, scatter, rows = run_prepare_scatter(*args[1:6])
+    assert_same(offsets, want[1], "expert_first_token_offset")
+    assert_same(scatter, want[2], "scatter_idx (moe_permute's inv_permuted_idx)")
+    assert_same(rows, want[3][:slots], "sorted_rows (moe_permute's permuted_idx)")
+
+
+def test_prepare_scatter_by_hand():
+    # test_permute_by_hand's routing: 3 tokens, topk 2, experts 1 and 3 local.
+    ids = torch.tensor([[3, 1], [0, 3], [1, 2]], dtype=torch.int32)
+    tei = torch.arange(6, dtype=torch.int32).view(3, 2)
+    emap = torch.tensor([-1, 0, -1, 1], dtype=torch.int32)
+    offsets, scatter, rows = run_prepare_scatter(ids, tei, emap, 4, 2)
+    assert offsets.tolist() == [0, 2, 4]
+    assert scatter.tolist() == [[2, 0], [4, 3], [1, 5]]
+    assert rows.tolist() == [1, 4, 0, 3, 6, 6]
+
+
+def test_sort_workspace_size():
+    size = ops.moe_permute_sort_workspace_size
+    assert ops.moe_permute_unpermute_supported() is True
+    assert size(0, 1) > 0
+    # Grows with the slots and the experts; bounded (32 MiB of counts + the bucket arrays).
+    assert size(1000, 8) <= size(100000, 8) <= size(100000, 256)
+    assert size(2**31 - 1, 65536) <= 4 * ((8 << 20) + 2 * (2 * 65536 + 1) + 1)
+    for bad, name in [((-1, 8), "num_expanded_rows"), ((2**31, 8), "num_expanded_rows"),
+                      ((10, 0), "n_expert"), ((10, 65537), "n_expert")]:
+        with pytest.raises(RuntimeError, match=name):
+            size(*bad)
+
+
+def scratch_args(T=4, K=2, E=8, H=16, **over):
+    a = permute_args(T, K, E, H)
+    ws, experts, rows, for_sort = scratch_buffers(T * K, E, "cpu")
+    a.update(sort_workspace=ws, permuted_experts_id=experts, sorted_row_idx=rows,
+             topk_ids_for_sort=for_sort)
+    a.update(over)
+    return a
+
+
+def prepare_args(T=4, K=2, E=8, **over):
+    ws, experts, rows, for_sort = scratch_buffers(T * K, E, "cpu")
+    a = dict(topk_ids=torch.zeros(T, K, dtype=torch.int32),
+             token_expert_indices=torch.arange(T * K, dtype=torch.int32).view(T, K),
+             expert_map=None, n_expert=E, n_local_expert=E,
+             expert_first_token_offset=torch.empty(E + 1, dtype=torch.int64),
+             scatter_idx=torch.empty(T, K, dtype=torch.int32), sort_workspace=ws,
+             sorted_experts=experts, sorted_rows=rows, topk_ids_for_sort=for_sort)
+    a.update(over)
+    return a
+
+
+_WS = ops.moe_permute_sort_workspace_size(8, 8)
+SCRATCH_BAD = [
+    ("sort_workspace", dict(sort_workspace=torch.empty(_WS - 1, dtype=torch.int8))),
+    ("sort_workspace", dict(sort_workspace=torch.empty(_WS, dtype=torch.uint8))),
+    ("sort_workspace", dict(sort_workspace=torch.empty(2 * _WS, dtype=torch.int8)[::2])),
+    ("permuted_experts_id", dict(permuted_experts_id=torch.empty(7, dtype=torch.int32))),
+    ("permuted_experts_id", dict(permuted_experts_id=torch.empty(8, dtype=torch.int64))),
+    ("sorted_row_idx", dict(sorted_row_idx=torch.empty(16, dtype=torch.int32)[::2])),
+    ("topk_ids_for_sort", dict(topk_ids_for_sort=torch.empty(8))),
+    ("topk", dict(topk=3)),
+    ("permuted_idx", dict(permuted_idx=torch.empty(7, dtype=torch.int32))),
+]
+PREPARE_BAD = [
+    ("topk_ids", dict(topk_ids=torch.zeros(8, dtype=torch.int32))),
+    ("topk_ids", dict(topk_ids=torch.zeros(4, 2))),
+    ("token_expert_indices", dict(token_expert_indices=torch.zeros(4, 3, dtype=torch.int32))),
+    ("n_local_expert", dict(n_local_expert=9)),
+    ("expert_map", dict(expert_map=torch.zeros(7, dtype=torch.int32))),
+    ("expert_first_token_offset", dict(expert_first_token_offset=torch.empty(8,
+                                                                             dtype=torch.int64))),
+    ("scatter_idx", dict(scatter_idx=torch.empty(8, dtype=torch.int32))),
+    ("scatter_idx", dict(scatter_idx=torch.empty(4, 2, dtype=torch.int64))),
+    ("sort_workspace", dict(sort_workspace=torch.empty(_WS - 1, dtype=torch.int8))),
+    ("sorted_experts", dict(sorted_experts=torch.empty(7, dtype=torch.int32))),
+    ("sorted_rows", dict(sorted_rows=torch.empty(8, dtype=torch.float32))),
+    ("topk_ids_for_sort", dict(topk_ids_for_sort=torch.empty(2, dtype=torch.int32))),
+]
+
+
+@pytest.mark.parametrize("name,over", SCRATCH_BAD, ids=[f"{n}-{i}" for i, (n, _) in
+                                                       enumerate(SCRATCH_BAD)])
+def test_permute_with_scratch_bad_inputs(name, over):
+    with pytest.raises(RuntimeError, match=f"moe_permute_with_scratch: .*{name}"):
+        ops.moe_permute_with_scratch(*scratch_args(**over).values())
+
+
+@pytest.mark.parametrize("name,over", PREPARE_BAD, ids=[f"{n}-{i}" for i, (n, _) in
+                                                       enumerate(PREPARE_BAD)])
+def test_prepare_scatter_bad_inputs(name, over):
+    with pytest.raises(RuntimeError, match=f"moe_prepare_scatter: .*{name}"):
+        ops.moe_prepare_scatter(*prepare_args(**over).values())
+
+
+def test_scratch_overlap_rejected():
+    a = scratch_args()
+    a["sorted_row_idx"] = a["inv_permuted_idx"].view(-1)
+    with pytest.raises(RuntimeError, match="sorted_row_idx"):
+        ops.moe_permute_with_scratch(*a.values())
+    a = prepare_args()
+    a["sorted_rows"] = a["scatter_idx"].view(-1)
+    with pytest.raises(RuntimeError, match="sorted_rows"):
+        ops.moe_prepare_scatter(*a.values())
+    a = prepare_args()
+    a["topk_ids_for_sort"] = a["topk_ids"].view(-1)
+    with pytest.raises(RuntimeError, match="topk_ids_for_sort"):
+        ops.moe_prepare_scatter(*a.values())
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_scratch_forms_opcheck(i):
+    g = seeded(31 + i)
+    T, K, E, H, n_local = [(1, 2, 8, 16, 8), (9, 4, 16, 32, 5), (20, 2, 6, 8, 6)][i]
+    args = permute_case(T, K, E, n_local, H, torch.bfloat16, "map" if n_local < E else "plain",
+                        g)
+    x, ids, tei, emap = args[:4]
+    ws, experts, rows, for_sort = scratch_buffers(T * K, E, "cpu")
+    outs = (torch.empty(T * K, H, dtype=torch.bfloat16),
+            torch.empty(n_local + 1, dtype=torch.int64),
+            torch.empty(T, K, dtype=torch.int32), torch.empty(T * K, dtype=torch.int32))
+    torch.library.opcheck(ops.moe_permute_with_scratch.default,
+                          (x, ids, tei, emap, E, n_local, K, *outs, ws, experts, rows, for_sort))
+    torch.library.opcheck(ops.moe_prepare_scatter.default,
+                          (ids, tei, emap, E, n_local, outs[1], outs[2], ws, experts, rows,
+                           for_sort))
+
+
 # ------------------------------------------------------------------------------- moe_unpermute
 def run_unpermute(perm, weights, inv, offsets, topk, out_rows_stride=None):
     T, H = weights.shape[0], perm.shape[1]
@@ -742,6 +940,70 @@ def test_permute_gpu_matches_cpu(num_tokens, topk, n_expert, n_local, hidden, dt
         assert_same(a, b, name)
     nv = int(want[1][-1])
     assert_same(got[0][nv:], got[4][nv:], "rows past the valid count untouched")
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens,topk,n_expert,n_local", [
+    (1, 1, 8, 8), (5, 2, 8, 3), (64, 8, 128, 128),
+    (1000, 8, 256, 64),   # > 8192 slots: the multi-kernel sort, in the caller's workspace
+    (9000, 8, 64, 64),    # 72000 slots
+    (50, 4, 1024, 100),   # > 1024 buckets
+    (40000, 8, 256, 256),  # 320000 slots, 513 buckets
+])
+@pytest.mark.parametrize("variant", ["plain", "map", "invalid", "int64", "srcperm"])
+def test_scratch_forms_gpu_match_cpu(num_tokens, topk, n_expert, n_local, variant):
+    g = seeded(num_tokens + n_expert + n_local)
+    args = permute_case(num_tokens, topk, n_expert, n_local, 24, torch.bfloat16, variant, g)
+    slots = num_tokens * topk
+    want = run_permute(*args, rows=slots, pidx_len=slots + 2)
+    got = cpu_all(run_permute_with_scratch(*to_dev(*args), rows=slots, pidx_len=slots + 2))
+    for a, b, name in zip(got[:4], want[:4], ["permuted_input", "offsets", "inv", "pidx"]):
+        assert_same(a, b, name)
+    got = cpu_all(run_prepare_scatter(*to_dev(*args[1:6])))
+    for a, b, name in zip(got, (want[1], want[2], want[3][:slots]),
+                          ["offsets", "scatter_idx", "sorted_rows"]):
+        assert_same(a, b, name)
+
+
+@gpu
+def test_scratch_forms_gpu_allocate_nothing_and_replay_in_a_graph():
+    """With the caller's scratch the multi-kernel sort allocates nothing (vLLM locks its
+    workspace before graph capture), and a captured graph replays with new routing."""
+    g = seeded(8)
+    T, K, E, H = 2000, 8, 128, 64
+    dev = "cuda"
+    x = random_rows(T, H, torch.bfloat16, g).to(dev)
+    ids = random_ids(T, K, E, g).to(dev)
+    tei = torch.arange(T * K, dtype=torch.int32, device=dev).view(T, K)
+    scratch = scratch_buffers(T * K, E, dev)
+    bufs = (torch.empty(T * K, H, dtype=torch.bfloat16, device=dev),
+            torch.empty(E + 1, dtype=torch.int64, device=dev),
+            torch.empty(T, K, dtype=torch.int32, device=dev),
+            torch.empty(T * K, dtype=torch.int32, device=dev))
+    prep = (torch.empty(E + 1, dtype=torch.int64, device=dev),
+            torch.empty(T, K, dtype=torch.int32, device=dev))
+
+    def body():
+        ops.moe_permute_with_scratch(x, ids, tei, None, E, E, K, *bufs, *scratch)
+        ops.moe_prepare_scatter(ids, tei, None, E, E, *prep, *scratch)
+
+    body()
+    torch.cuda.synchronize()
+    allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
+    body()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for rep in range(3):
+        ids.copy_(random_ids(T, K, E, g, skew=rep == 1))
+        graph.replay()
+        got = [t.cpu() for t in (*bufs, *prep)]
+        want = run_permute(*cpu_all((x, ids, tei)), None, E, E, K)
+        for a, b, name in zip(got, (*want[:4], want[1], want[2]),
+                              ["permuted", "offsets", "inv", "pidx", "prep offsets", "scatter"]):
+            assert_same(a, b, f"replay {rep}: {name}")
 
 
 @gpu

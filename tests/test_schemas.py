@@ -12,6 +12,10 @@ EXPECTED = [
     "grouped_topk(Tensor scores, int n_group, int topk_group, int topk, bool renormalize, float routed_scaling_factor, Tensor bias, int scoring_func) -> (Tensor, Tensor)",
     "moe_align_block_size(Tensor topk_ids, int num_experts, int block_size, Tensor! sorted_token_ids, Tensor! experts_ids, Tensor! num_tokens_post_pad, Tensor? maybe_expert_map, Tensor(a!)? scatter_idx=None) -> ()",
     "moe_permute(Tensor input, Tensor topk_ids, Tensor token_expert_indices, Tensor? expert_map, int n_expert, int n_local_expert, int topk, Tensor! permuted_input, Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, Tensor! permuted_idx)->()",
+    "moe_permute_with_scratch(Tensor input, Tensor topk_ids, Tensor token_expert_indices, Tensor? expert_map, int n_expert, int n_local_expert, int topk, Tensor! permuted_input, Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, Tensor! permuted_idx, Tensor! sort_workspace, Tensor! permuted_experts_id, Tensor! sorted_row_idx, Tensor! topk_ids_for_sort)->()",
+    "moe_prepare_scatter(Tensor topk_ids, Tensor token_expert_indices, Tensor? expert_map, int n_expert, int n_local_expert, Tensor! expert_first_token_offset, Tensor! scatter_idx, Tensor! sort_workspace, Tensor! sorted_experts, Tensor! sorted_rows, Tensor! topk_ids_for_sort)->()",
+    "moe_permute_unpermute_supported() -> bool",
+    "moe_permute_sort_workspace_size(int num_expanded_rows, int n_expert) -> int",
     "moe_unpermute(Tensor permuted_hidden_states, Tensor topk_weights, Tensor inv_permuted_idx, Tensor? expert_first_token_offset, int topk, Tensor! hidden_states)->()",
     "shuffle_rows(Tensor input_tensor, Tensor dst2src_map, Tensor! output_tensor) -> ()",
     "moe_sum(Tensor input, Tensor! output, Tensor? topk_ids=None, Tensor? expert_map=None) -> ()",
@@ -34,7 +38,7 @@ def _name(schema: str) -> str:
 def test_every_expected_op_is_listed_once():
     names = [_name(s) for s in EXPECTED]
     assert len(names) == len(set(names))
-    assert len(names) == 17
+    assert len(names) == 21
 
 
 # cutlass_moe_mm runs the hand-written grouped GEMM. cutlass_group_gemm_supported answers True

@@ -58,6 +58,19 @@ def layer_ops(T, E, K, H, I, expert_map=None, **kw):
         ops.moe_align_block_size(ids, E, bs, sorted_ids, expert_ids, ntp, expert_map)
     n_local = E if expert_map is None else int((expert_map >= 0).sum())
     perm, _, offs, inv, pidx = ops.moe_permute(x, None, ids, E, n_local, expert_map)
+    # The same sort in the caller's scratch (exact-size buffers), and its routing-only form.
+    S = T * K
+    scratch = (torch.empty(torch.ops.hopper_moe.moe_permute_sort_workspace_size(S, E),
+                           dtype=torch.int8, device=dev),
+               *(torch.empty(S, dtype=torch.int32, device=dev) for _ in range(3)))
+    tei = torch.arange(S, dtype=torch.int32, device=dev).view(T, K)
+    offs2 = torch.empty(n_local + 1, dtype=torch.int64, device=dev)
+    inv2 = torch.empty(T, K, dtype=torch.int32, device=dev)
+    torch.ops.hopper_moe.moe_permute_with_scratch(
+        x, ids, tei, expert_map, E, n_local, K, torch.empty_like(perm), offs2, inv2,
+        torch.empty(S, dtype=torch.int32, device=dev), *scratch)
+    torch.ops.hopper_moe.moe_prepare_scatter(ids, tei, expert_map, E, n_local, offs2, inv2,
+                                             *scratch)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     ops.moe_unpermute(out, perm, w, inv, offs)
     ops.shuffle_rows(x, torch.arange(T, device=dev, dtype=torch.int32).flip(0))

@@ -1,4 +1,5 @@
-// Argument checks of the permutation family: moe_align_block_size, moe_permute, moe_unpermute,
+// Argument checks of the permutation family: moe_align_block_size, moe_permute (and its forms
+// with caller-provided scratch: moe_permute_with_scratch, moe_prepare_scatter), moe_unpermute,
 // shuffle_rows. Shared by the CPU definitions (csrc/cpu/permute.cpp) and the CUDA launchers
 // (csrc/ops/permute.cu), so both devices reject exactly the same calls.
 //
@@ -94,16 +95,16 @@ void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64
                          {{topk_ids, "topk_ids"}, {maybe_expert_map, "maybe_expert_map"}});
 }
 
-void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
-                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
-                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
-                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
-                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
-  constexpr const char* kOp = "moe_permute";
-  check_rows_named(kOp, input, "input");
-  const int64_t num_tokens = input.size(0);
-  const int64_t hidden = input.size(1);
+namespace {
 
+// The routing arguments shared by moe_permute, moe_permute_with_scratch and
+// moe_prepare_scatter; `ref` is the tensor every argument must share a device with.
+void check_routing(const char* kOp, const at::Tensor& topk_ids,
+                   const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                   int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                   const at::Tensor& expert_first_token_offset,
+                   const at::Tensor& inv_permuted_idx, const char* inv_name,
+                   const at::Tensor& ref, const char* ref_name) {
   HM_CHECK(kOp, n_expert >= 1 && n_expert <= 65536, "n_expert must be in [1, 65536] (got ",
            n_expert, ")");
   HM_CHECK(kOp, n_local_expert >= 1 && n_local_expert <= n_expert,
@@ -112,20 +113,19 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
 
   HM_CHECK_DTYPE(kOp, topk_ids, HM_INDEX_DTYPES);
   HM_CHECK_DIM(kOp, topk_ids, 2);
-  HM_CHECK_SIZE(kOp, topk_ids, 0, num_tokens, "input.size(0)");
   HM_CHECK_CONTIGUOUS(kOp, topk_ids);
-  HM_CHECK_SAME_DEVICE(kOp, topk_ids, input);
+  check_same_device_named(kOp, topk_ids, "topk_ids", ref, ref_name);
   HM_CHECK(kOp, topk >= 1 && topk == topk_ids.size(1),
            "topk must be >= 1 and equal topk_ids.size(1) (got topk ", topk,
            ", topk_ids.size(1) ", topk_ids.size(1), ")");
-  const int64_t slots = num_tokens * topk;
+  const int64_t slots = topk_ids.numel();
   HM_CHECK(kOp, slots <= kInt32Max, "topk_ids must have at most 2^31-1 elements (got ", slots,
            ")");
 
   HM_CHECK_DTYPE(kOp, token_expert_indices, at::kInt);
   HM_CHECK_SAME_SHAPE(kOp, token_expert_indices, topk_ids);
   HM_CHECK_CONTIGUOUS(kOp, token_expert_indices);
-  HM_CHECK_SAME_DEVICE(kOp, token_expert_indices, input);
+  check_same_device_named(kOp, token_expert_indices, "token_expert_indices", ref, ref_name);
 
   if (expert_map) {
     const auto& m = *expert_map;
@@ -133,8 +133,69 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
     check_dim_named(kOp, m, "expert_map", 1);
     check_size_named(kOp, m, "expert_map", 0, n_expert, "n_expert");
     check_contiguous_named(kOp, m, "expert_map");
-    check_same_device_named(kOp, m, "expert_map", input, "input");
+    check_same_device_named(kOp, m, "expert_map", ref, ref_name);
   }
+
+  HM_CHECK_DTYPE(kOp, expert_first_token_offset, at::kLong);
+  HM_CHECK_DIM(kOp, expert_first_token_offset, 1);
+  HM_CHECK_SIZE(kOp, expert_first_token_offset, 0, n_local_expert + 1, "n_local_expert + 1");
+  HM_CHECK_CONTIGUOUS(kOp, expert_first_token_offset);
+  check_same_device_named(kOp, expert_first_token_offset, "expert_first_token_offset", ref,
+                          ref_name);
+
+  check_dtype_named(kOp, inv_permuted_idx, inv_name, at::kInt);
+  HM_CHECK(kOp, inv_permuted_idx.sizes() == topk_ids.sizes(), inv_name,
+           " must have the same shape as topk_ids (", topk_ids.sizes(), "), got ",
+           inv_permuted_idx.sizes());
+  check_contiguous_named(kOp, inv_permuted_idx, inv_name);
+  check_same_device_named(kOp, inv_permuted_idx, inv_name, ref, ref_name);
+}
+
+// A caller-provided buffer (vLLM's MoEPermuteScratch): exact dtype, contiguous, at least
+// `numel` elements, on ref's device. Its contents before and after the call mean nothing.
+void check_scratch(const char* kOp, const at::Tensor& t, const char* name, at::ScalarType dtype,
+                   int64_t numel, const char* what, const at::Tensor& ref,
+                   const char* ref_name) {
+  check_dtype_named(kOp, t, name, dtype);
+  check_contiguous_named(kOp, t, name);
+  HM_CHECK(kOp, t.numel() >= numel, name, " must have at least ", numel, " elements (", what,
+           "), got ", t.numel());
+  check_same_device_named(kOp, t, name, ref, ref_name);
+}
+
+// The four scratch buffers of moe_permute_with_scratch / moe_prepare_scatter.
+void check_permute_scratch(const char* kOp, int64_t slots, int64_t n_expert,
+                           const at::Tensor& sort_workspace, const at::Tensor& sorted_experts,
+                           const char* sorted_experts_name, const at::Tensor& sorted_rows,
+                           const char* sorted_rows_name, const at::Tensor& topk_ids_for_sort,
+                           const at::Tensor& ref, const char* ref_name) {
+  check_scratch(kOp, sort_workspace, "sort_workspace", at::kChar,
+                moe_permute_sort_workspace_size(slots, n_expert),
+                "moe_permute_sort_workspace_size(num_tokens * topk, n_expert) bytes", ref,
+                ref_name);
+  check_scratch(kOp, sorted_experts, sorted_experts_name, at::kInt, slots, "num_tokens * topk",
+                ref, ref_name);
+  check_scratch(kOp, sorted_rows, sorted_rows_name, at::kInt, slots, "num_tokens * topk", ref,
+                ref_name);
+  check_scratch(kOp, topk_ids_for_sort, "topk_ids_for_sort", at::kInt, slots,
+                "num_tokens * topk", ref, ref_name);
+}
+
+void check_permute(const char* kOp, const at::Tensor& input, const at::Tensor& topk_ids,
+                   const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                   int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                   const at::Tensor& permuted_input, const at::Tensor& expert_first_token_offset,
+                   const at::Tensor& inv_permuted_idx, const at::Tensor& permuted_idx) {
+  check_rows_named(kOp, input, "input");
+  const int64_t num_tokens = input.size(0);
+  const int64_t hidden = input.size(1);
+  HM_CHECK_DTYPE(kOp, topk_ids, HM_INDEX_DTYPES);
+  HM_CHECK_DIM(kOp, topk_ids, 2);
+  HM_CHECK_SIZE(kOp, topk_ids, 0, num_tokens, "input.size(0)");
+  check_routing(kOp, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert, topk,
+                expert_first_token_offset, inv_permuted_idx, "inv_permuted_idx", input,
+                "input");
+  const int64_t slots = num_tokens * topk;
 
   check_rows_named(kOp, permuted_input, "permuted_input");
   HM_CHECK(kOp, permuted_input.scalar_type() == input.scalar_type(),
@@ -146,17 +207,6 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
            permuted_input.size(0), ")");
   HM_CHECK_SAME_DEVICE(kOp, permuted_input, input);
   HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, permuted_input);
-
-  HM_CHECK_DTYPE(kOp, expert_first_token_offset, at::kLong);
-  HM_CHECK_DIM(kOp, expert_first_token_offset, 1);
-  HM_CHECK_SIZE(kOp, expert_first_token_offset, 0, n_local_expert + 1, "n_local_expert + 1");
-  HM_CHECK_CONTIGUOUS(kOp, expert_first_token_offset);
-  HM_CHECK_SAME_DEVICE(kOp, expert_first_token_offset, input);
-
-  HM_CHECK_DTYPE(kOp, inv_permuted_idx, at::kInt);
-  HM_CHECK_SAME_SHAPE(kOp, inv_permuted_idx, topk_ids);
-  HM_CHECK_CONTIGUOUS(kOp, inv_permuted_idx);
-  HM_CHECK_SAME_DEVICE(kOp, inv_permuted_idx, input);
 
   HM_CHECK_DTYPE(kOp, permuted_idx, at::kInt);
   HM_CHECK_DIM(kOp, permuted_idx, 1);
@@ -172,6 +222,73 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
                           {permuted_idx, "permuted_idx"}},
                          {{input, "input"},
                           {topk_ids, "topk_ids"},
+                          {token_expert_indices, "token_expert_indices"},
+                          {expert_map, "expert_map"}});
+}
+
+}  // namespace
+
+void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
+                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
+  check_permute("moe_permute", input, topk_ids, token_expert_indices, expert_map, n_expert,
+                n_local_expert, topk, permuted_input, expert_first_token_offset,
+                inv_permuted_idx, permuted_idx);
+}
+
+void moe_permute_with_scratch(const at::Tensor& input, const at::Tensor& topk_ids,
+                              const at::Tensor& token_expert_indices,
+                              const OptTensor& expert_map, int64_t n_expert,
+                              int64_t n_local_expert, int64_t topk, at::Tensor& permuted_input,
+                              at::Tensor& expert_first_token_offset,
+                              at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx,
+                              at::Tensor& sort_workspace, at::Tensor& permuted_experts_id,
+                              at::Tensor& sorted_row_idx, at::Tensor& topk_ids_for_sort) {
+  constexpr const char* kOp = "moe_permute_with_scratch";
+  check_permute(kOp, input, topk_ids, token_expert_indices, expert_map, n_expert,
+                n_local_expert, topk, permuted_input, expert_first_token_offset,
+                inv_permuted_idx, permuted_idx);
+  check_permute_scratch(kOp, topk_ids.numel(), n_expert, sort_workspace, permuted_experts_id,
+                        "permuted_experts_id", sorted_row_idx, "sorted_row_idx",
+                        topk_ids_for_sort, input, "input");
+  check_outputs_disjoint(kOp,
+                         {{sort_workspace, "sort_workspace"},
+                          {permuted_experts_id, "permuted_experts_id"},
+                          {sorted_row_idx, "sorted_row_idx"},
+                          {topk_ids_for_sort, "topk_ids_for_sort"}},
+                         {{input, "input"},
+                          {topk_ids, "topk_ids"},
+                          {token_expert_indices, "token_expert_indices"},
+                          {expert_map, "expert_map"},
+                          {permuted_input, "permuted_input"},
+                          {expert_first_token_offset, "expert_first_token_offset"},
+                          {inv_permuted_idx, "inv_permuted_idx"},
+                          {permuted_idx, "permuted_idx"}});
+}
+
+void moe_prepare_scatter(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices,
+                         const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert,
+                         at::Tensor& expert_first_token_offset, at::Tensor& scatter_idx,
+                         at::Tensor& sort_workspace, at::Tensor& sorted_experts,
+                         at::Tensor& sorted_rows, at::Tensor& topk_ids_for_sort) {
+  constexpr const char* kOp = "moe_prepare_scatter";
+  HM_CHECK_DIM(kOp, topk_ids, 2);
+  check_routing(kOp, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                topk_ids.size(1), expert_first_token_offset, scatter_idx, "scatter_idx",
+                topk_ids, "topk_ids");
+  check_permute_scratch(kOp, topk_ids.numel(), n_expert, sort_workspace, sorted_experts,
+                        "sorted_experts", sorted_rows, "sorted_rows", topk_ids_for_sort,
+                        topk_ids, "topk_ids");
+  check_outputs_disjoint(kOp,
+                         {{expert_first_token_offset, "expert_first_token_offset"},
+                          {scatter_idx, "scatter_idx"},
+                          {sort_workspace, "sort_workspace"},
+                          {sorted_experts, "sorted_experts"},
+                          {sorted_rows, "sorted_rows"},
+                          {topk_ids_for_sort, "topk_ids_for_sort"}},
+                         {{topk_ids, "topk_ids"},
                           {token_expert_indices, "token_expert_indices"},
                           {expert_map, "expert_map"}});
 }

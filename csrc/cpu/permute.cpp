@@ -1,6 +1,6 @@
 // CPU definitions of the permutation family (same semantics as vLLM's moe_align_block_size,
-// moe_permute, moe_unpermute and shuffle_rows). These loops ARE the specification the CUDA
-// kernels (csrc/ops/permute.cu) are tested against, bit for bit.
+// moe_permute with its scratch forms, moe_unpermute and shuffle_rows). These loops ARE the
+// specification the CUDA kernels (csrc/ops/permute.cu) are tested against, bit for bit.
 //
 // Common rule: a flat slot i = t * topk + k of topk_ids counts only when its id is in
 // [0, num_experts) and, with an expert map, maps to a local expert; other slots are skipped
@@ -95,21 +95,21 @@ void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64
   num_tokens_post_pad.data_ptr<int32_t>()[0] = static_cast<int32_t>(seg[num_experts]);
 }
 
-void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
-                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
-                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
-                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
-                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
-  check::moe_permute(input, topk_ids, token_expert_indices, expert_map, n_expert,
-                     n_local_expert, topk, permuted_input, expert_first_token_offset,
-                     inv_permuted_idx, permuted_idx);
-  const int64_t slots = input.size(0) * topk;
+namespace {
+
+// moe_permute's stable sort of the slots: expert_first_token_offset, inv (slot -> row: for
+// every slot, also the skipped ones, which follow the valid rows) and perm (row -> slot for the
+// perm_len rows; rows past the valid ones hold the slot count). Returns the valid row count.
+int64_t sort_routing(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices,
+                     const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert,
+                     at::Tensor& expert_first_token_offset, at::Tensor& inv_idx, int32_t* perm,
+                     int64_t perm_len) {
+  const int64_t slots = topk_ids.numel();
   int64_t* offsets = expert_first_token_offset.data_ptr<int64_t>();
-  int32_t* perm = permuted_idx.data_ptr<int32_t>();
   if (slots == 0) {
     std::fill(offsets, offsets + n_local_expert + 1, 0);
-    std::fill(perm, perm + permuted_idx.numel(), 0);
-    return;
+    std::fill(perm, perm + perm_len, 0);
+    return 0;
   }
 
   // Sort key of each slot (stable, ascending): its local expert when it has one; then the
@@ -135,7 +135,7 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
   // Slot i carries its expanded source row v = token_expert_indices[i] (callers pass
   // arange(T*topk), so v == i); destination row r gets source token v / topk.
   const int32_t* source = token_expert_indices.const_data_ptr<int32_t>();
-  int32_t* inv = inv_permuted_idx.data_ptr<int32_t>();
+  int32_t* inv = inv_idx.data_ptr<int32_t>();
   std::vector<int64_t> cursor(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < slots; ++i) {
     const int64_t r = cursor[key[i]]++;
@@ -143,8 +143,22 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
     if (r < num_valid) perm[r] = v;
     if (v >= 0 && v < slots) inv[v] = static_cast<int32_t>(r);
   }
-  for (int64_t r = num_valid; r < permuted_idx.numel(); ++r) perm[r] = static_cast<int32_t>(slots);
+  for (int64_t r = num_valid; r < perm_len; ++r) perm[r] = static_cast<int32_t>(slots);
   for (int64_t e = 0; e <= n_local_expert; ++e) offsets[e] = start[e];
+  return num_valid;
+}
+
+// moe_permute after its checks.
+void permute_checked(const at::Tensor& input, const at::Tensor& topk_ids,
+                     const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                     int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                     at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                     at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
+  const int64_t slots = input.size(0) * topk;
+  int32_t* perm = permuted_idx.data_ptr<int32_t>();
+  const int64_t num_valid =
+      sort_routing(topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                   expert_first_token_offset, inv_permuted_idx, perm, permuted_idx.numel());
 
   // Rows [0, num_valid) of permuted_input are written; rows past them are left untouched.
   const int64_t row_bytes = input.size(1) * input.element_size();
@@ -156,6 +170,55 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
       std::memset(row_ptr(permuted_input, r), 0, row_bytes);
     }
   }
+}
+
+}  // namespace
+
+void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
+                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
+  check::moe_permute(input, topk_ids, token_expert_indices, expert_map, n_expert,
+                     n_local_expert, topk, permuted_input, expert_first_token_offset,
+                     inv_permuted_idx, permuted_idx);
+  permute_checked(input, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                  topk, permuted_input, expert_first_token_offset, inv_permuted_idx,
+                  permuted_idx);
+}
+
+// The scratch buffers are the caller's; the CPU definition needs none of them.
+void moe_permute_with_scratch(const at::Tensor& input, const at::Tensor& topk_ids,
+                              const at::Tensor& token_expert_indices,
+                              const OptTensor& expert_map, int64_t n_expert,
+                              int64_t n_local_expert, int64_t topk, at::Tensor& permuted_input,
+                              at::Tensor& expert_first_token_offset,
+                              at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx,
+                              at::Tensor& sort_workspace, at::Tensor& permuted_experts_id,
+                              at::Tensor& sorted_row_idx, at::Tensor& topk_ids_for_sort) {
+  check::moe_permute_with_scratch(input, topk_ids, token_expert_indices, expert_map, n_expert,
+                                  n_local_expert, topk, permuted_input,
+                                  expert_first_token_offset, inv_permuted_idx, permuted_idx,
+                                  sort_workspace, permuted_experts_id, sorted_row_idx,
+                                  topk_ids_for_sort);
+  permute_checked(input, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                  topk, permuted_input, expert_first_token_offset, inv_permuted_idx,
+                  permuted_idx);
+}
+
+// moe_permute's routing half: the offsets and the slot -> row map (scatter_idx), no rows
+// moved. sorted_rows receives moe_permute's permuted_idx (as on the GPU).
+void moe_prepare_scatter(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices,
+                         const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert,
+                         at::Tensor& expert_first_token_offset, at::Tensor& scatter_idx,
+                         at::Tensor& sort_workspace, at::Tensor& sorted_experts,
+                         at::Tensor& sorted_rows, at::Tensor& topk_ids_for_sort) {
+  check::moe_prepare_scatter(topk_ids, token_expert_indices, expert_map, n_expert,
+                             n_local_expert, expert_first_token_offset, scatter_idx,
+                             sort_workspace, sorted_experts, sorted_rows, topk_ids_for_sort);
+  sort_routing(topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+               expert_first_token_offset, scatter_idx, sorted_rows.data_ptr<int32_t>(),
+               topk_ids.numel());
 }
 
 void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights,

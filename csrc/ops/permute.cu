@@ -1,10 +1,11 @@
-// CUDA launchers of the permutation family: moe_align_block_size, moe_permute, moe_unpermute,
-// shuffle_rows (same semantics as vLLM's ops; the definitions are the loops in
-// csrc/cpu/permute.cpp, which these reproduce bit for bit). Device code: hopper_moe/moe/
+// CUDA launchers of the permutation family: moe_align_block_size, moe_permute (and
+// moe_permute_with_scratch, moe_prepare_scatter), moe_unpermute, shuffle_rows (same semantics
+// as vLLM's ops; the definitions are the loops in csrc/cpu/permute.cpp, which these reproduce
+// bit for bit). Device code: hopper_moe/moe/
 // align.cuh (the stable bucket sort) and permute.cuh (row gathers, weighted reduction).
 //
 // No launcher reads device data on the host: every data-dependent size (valid rows, padded
-// total) is read by the kernels themselves, so all four ops can be captured in a CUDA graph.
+// total) is read by the kernels themselves, so every op here can be captured in a CUDA graph.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,6 +17,7 @@
 #include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/align.cuh"
 #include "hopper_moe/moe/permute.cuh"
+#include "hopper_moe/moe/sort_plan.h"
 #include "ops.h"
 
 namespace hopper_moe::cuda {
@@ -27,11 +29,7 @@ namespace pd = permute_detail;
 constexpr int kThreads = ad::kThreads;
 // Grid-stride loops: never more blocks than this.
 constexpr int64_t kMaxBlocks = 65536;
-// Bound of the large sort path's per-chunk counts (ints): few buckets get many small chunks
-// (more warps in flight), many buckets get fewer, larger chunks.
-constexpr int64_t kMaxHistEntries = int64_t{8} << 20;
-// Smallest chunk of the large sort path (slots; a multiple of 32).
-constexpr int64_t kMinChunk = 256;
+static_assert(sort_plan::kWarp == ad::kWarp, "the sort plan chunks by whole warps");
 
 unsigned grid_for(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(
@@ -50,26 +48,34 @@ bool aligned_to(const void* ptr, int64_t bytes) {
 }
 
 // The stable bucket sort of align.cuh: the small one-block path when it fits, else the five
-// phase kernels over a workspace sized by shapes only. epilogue_work bounds the index spaces
-// the epilogue loops over (it sizes the phase-4 grid).
+// phase kernels over a workspace sized by shapes only (sort_plan.h): `scratch` when the caller
+// passes one of at least sort_plan::plan(...).workspace_ints ints, 4-byte aligned, else a new
+// one. epilogue_work bounds the index spaces the epilogue loops over (it sizes the phase-4
+// grid).
 template <class KeyFn, class PadFn, class Epilogue, class SlotFn>
 void bucket_sort(const KeyFn& key, const PadFn& pad, const Epilogue& epi, const SlotFn& on_slot,
                  int64_t numel, int nb, int64_t epilogue_work, const at::Device& device,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, const at::Tensor* scratch = nullptr) {
   if (numel <= ad::kSmallMaxSlots && nb <= ad::kSmallMaxBuckets) {
     C10_CUDA_CHECK(pdl::launch(ad::sort_small_kernel<KeyFn, PadFn, Epilogue, SlotFn>, dim3(1),
                                dim3(kThreads), ad::small_smem_bytes(nb), stream, key, pad, epi,
                                on_slot, numel, nb));
     return;
   }
-  const int64_t max_chunks = std::max<int64_t>(1, kMaxHistEntries / nb);
-  int64_t chunk = (numel + max_chunks - 1) / max_chunks;
-  chunk = std::max(kMinChunk, (chunk + ad::kWarp - 1) / ad::kWarp * ad::kWarp);
-  const int64_t num_chunks = (numel + chunk - 1) / chunk;
+  const sort_plan::Plan plan = sort_plan::plan(numel, nb);
+  const int64_t chunk = plan.chunk;
+  const int64_t num_chunks = plan.num_chunks;
 
-  at::Tensor workspace = at::empty({num_chunks * nb + 2 * int64_t{nb} + 1},
-                                   at::TensorOptions().dtype(at::kInt).device(device));
-  int* hist = workspace.data_ptr<int>();  // [nb][num_chunks]
+  at::Tensor workspace;
+  int* hist = nullptr;  // [nb][num_chunks]
+  if (scratch != nullptr && scratch->nbytes() >= static_cast<size_t>(4 * plan.workspace_ints) &&
+      aligned_to(scratch->data_ptr(), 4)) {
+    hist = static_cast<int*>(scratch->data_ptr());
+  } else {
+    workspace = at::empty({plan.workspace_ints},
+                          at::TensorOptions().dtype(at::kInt).device(device));
+    hist = workspace.data_ptr<int>();
+  }
   int* cnt = hist + num_chunks * nb;      // [nb]
   int* seg = cnt + nb;                    // [nb + 1]
   const unsigned warp_blocks = static_cast<unsigned>((num_chunks + ad::kWarps - 1) / ad::kWarps);
@@ -184,14 +190,45 @@ void moe_align_block_size(const at::Tensor& topk_ids, int64_t num_experts, int64
   }
 }
 
-void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
-                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
-                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
-                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
-                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
-  check::moe_permute(input, topk_ids, token_expert_indices, expert_map, n_expert,
-                     n_local_expert, topk, permuted_input, expert_first_token_offset,
-                     inv_permuted_idx, permuted_idx);
+namespace {
+
+// moe_permute's sort of the slots (keys: local expert, then the non-local in-range ids, then
+// the rest): expert_first_token_offset, inv (slot -> row) and perm (row -> slot, perm_len
+// entries, rows past the valid ones get the slot count). Needs slots > 0.
+void sort_routing(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices,
+                  const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert,
+                  at::Tensor& expert_first_token_offset, at::Tensor& inv, int32_t* perm,
+                  int64_t perm_len, const at::Tensor* scratch, cudaStream_t stream) {
+  const int64_t slots = topk_ids.numel();
+  const int n_local = static_cast<int>(n_local_expert);
+  const int nb = static_cast<int>(n_local_expert + n_expert + 1);
+  const int32_t* map = expert_map ? expert_map->const_data_ptr<int32_t>() : nullptr;
+  int64_t* offsets = expert_first_token_offset.data_ptr<int64_t>();
+  pd::PermuteEpilogue epi{offsets, perm, perm_len, n_local, static_cast<int32_t>(slots)};
+  pd::PermuteSlot slot{token_expert_indices.const_data_ptr<int32_t>(), perm,
+                       inv.data_ptr<int32_t>(), n_local, static_cast<int32_t>(slots)};
+  const int64_t epilogue_work = std::max<int64_t>(n_local_expert + 1, perm_len);
+  const at::Device device = topk_ids.device();
+  if (topk_ids.scalar_type() == at::kInt) {
+    pd::PermuteKey<int32_t> key{topk_ids.const_data_ptr<int32_t>(), map,
+                                static_cast<int>(n_expert), n_local};
+    bucket_sort(key, ad::Identity{}, epi, slot, slots, nb, epilogue_work, device, stream,
+                scratch);
+  } else {
+    pd::PermuteKey<int64_t> key{topk_ids.const_data_ptr<int64_t>(), map,
+                                static_cast<int>(n_expert), n_local};
+    bucket_sort(key, ad::Identity{}, epi, slot, slots, nb, epilogue_work, device, stream,
+                scratch);
+  }
+}
+
+// moe_permute after its checks; scratch: a sort workspace (or nullptr).
+void permute_checked(const at::Tensor& input, const at::Tensor& topk_ids,
+                     const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                     int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                     at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                     at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx,
+                     const at::Tensor* scratch) {
   const int64_t slots = input.size(0) * topk;
   if (slots == 0) {
     expert_first_token_offset.fill_(0);
@@ -201,32 +238,70 @@ void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
 
   c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-
-  const int n_local = static_cast<int>(n_local_expert);
-  const int nb = static_cast<int>(n_local_expert + n_expert + 1);
-  const int32_t* map = expert_map ? expert_map->const_data_ptr<int32_t>() : nullptr;
-  int64_t* offsets = expert_first_token_offset.data_ptr<int64_t>();
   int32_t* perm = permuted_idx.data_ptr<int32_t>();
-  pd::PermuteEpilogue epi{offsets, perm, permuted_idx.numel(), n_local,
-                          static_cast<int32_t>(slots)};
-  pd::PermuteSlot slot{token_expert_indices.const_data_ptr<int32_t>(), perm,
-                       inv_permuted_idx.data_ptr<int32_t>(), n_local,
-                       static_cast<int32_t>(slots)};
-  const int64_t epilogue_work = std::max<int64_t>(n_local_expert + 1, permuted_idx.numel());
-
-  if (topk_ids.scalar_type() == at::kInt) {
-    pd::PermuteKey<int32_t> key{topk_ids.const_data_ptr<int32_t>(), map,
-                                static_cast<int>(n_expert), n_local};
-    bucket_sort(key, ad::Identity{}, epi, slot, slots, nb, epilogue_work, input.device(), stream);
-  } else {
-    pd::PermuteKey<int64_t> key{topk_ids.const_data_ptr<int64_t>(), map,
-                                static_cast<int>(n_expert), n_local};
-    bucket_sort(key, ad::Identity{}, epi, slot, slots, nb, epilogue_work, input.device(), stream);
-  }
+  sort_routing(topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+               expert_first_token_offset, inv_permuted_idx, perm, permuted_idx.numel(), scratch,
+               stream);
 
   if (input.size(1) == 0) return;
-  pd::PermuteSource source{perm, offsets + n_local, slots, topk};
+  pd::PermuteSource source{perm, expert_first_token_offset.const_data_ptr<int64_t>() +
+                                     n_local_expert,
+                           slots, topk};
   launch_gather(source, input, permuted_input, slots, stream);
+}
+
+}  // namespace
+
+void moe_permute(const at::Tensor& input, const at::Tensor& topk_ids,
+                 const at::Tensor& token_expert_indices, const OptTensor& expert_map,
+                 int64_t n_expert, int64_t n_local_expert, int64_t topk,
+                 at::Tensor& permuted_input, at::Tensor& expert_first_token_offset,
+                 at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx) {
+  check::moe_permute(input, topk_ids, token_expert_indices, expert_map, n_expert,
+                     n_local_expert, topk, permuted_input, expert_first_token_offset,
+                     inv_permuted_idx, permuted_idx);
+  permute_checked(input, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                  topk, permuted_input, expert_first_token_offset, inv_permuted_idx,
+                  permuted_idx, nullptr);
+}
+
+void moe_permute_with_scratch(const at::Tensor& input, const at::Tensor& topk_ids,
+                              const at::Tensor& token_expert_indices,
+                              const OptTensor& expert_map, int64_t n_expert,
+                              int64_t n_local_expert, int64_t topk, at::Tensor& permuted_input,
+                              at::Tensor& expert_first_token_offset,
+                              at::Tensor& inv_permuted_idx, at::Tensor& permuted_idx,
+                              at::Tensor& sort_workspace, at::Tensor& permuted_experts_id,
+                              at::Tensor& sorted_row_idx, at::Tensor& topk_ids_for_sort) {
+  check::moe_permute_with_scratch(input, topk_ids, token_expert_indices, expert_map, n_expert,
+                                  n_local_expert, topk, permuted_input,
+                                  expert_first_token_offset, inv_permuted_idx, permuted_idx,
+                                  sort_workspace, permuted_experts_id, sorted_row_idx,
+                                  topk_ids_for_sort);
+  permute_checked(input, topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+                  topk, permuted_input, expert_first_token_offset, inv_permuted_idx,
+                  permuted_idx, &sort_workspace);
+}
+
+void moe_prepare_scatter(const at::Tensor& topk_ids, const at::Tensor& token_expert_indices,
+                         const OptTensor& expert_map, int64_t n_expert, int64_t n_local_expert,
+                         at::Tensor& expert_first_token_offset, at::Tensor& scatter_idx,
+                         at::Tensor& sort_workspace, at::Tensor& sorted_experts,
+                         at::Tensor& sorted_rows, at::Tensor& topk_ids_for_sort) {
+  check::moe_prepare_scatter(topk_ids, token_expert_indices, expert_map, n_expert,
+                             n_local_expert, expert_first_token_offset, scatter_idx,
+                             sort_workspace, sorted_experts, sorted_rows, topk_ids_for_sort);
+  const int64_t slots = topk_ids.numel();
+  if (slots == 0) {
+    expert_first_token_offset.fill_(0);
+    return;
+  }
+  c10::cuda::CUDAGuard guard(topk_ids.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // sorted_rows holds moe_permute's permuted_idx (row -> slot) of the first `slots` rows.
+  sort_routing(topk_ids, token_expert_indices, expert_map, n_expert, n_local_expert,
+               expert_first_token_offset, scatter_idx, sorted_rows.data_ptr<int32_t>(), slots,
+               &sort_workspace, stream);
 }
 
 void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& topk_weights,

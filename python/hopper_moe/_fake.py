@@ -14,6 +14,8 @@ _IN_PLACE_OPS = (
     "topk_sigmoid",
     "moe_align_block_size",
     "moe_permute",
+    "moe_permute_with_scratch",
+    "moe_prepare_scatter",
     "moe_unpermute",
     "shuffle_rows",
     "moe_sum",

@@ -73,10 +73,6 @@ def pytest_make_collect_report(collector):
         _COLLECTING[0] = False
 
 
-# vLLM's capability queries that are not ops of hopper_moe's, and the ops they ask about.
-_CAPABILITY_OF = {"moe_permute_unpermute_supported": ("moe_permute", "moe_unpermute")}
-
-
 class _RedirectNamespace:
     """Stands in for torch.ops._moe_C / torch.ops._C: hopper_moe's op where it has one."""
 
@@ -89,11 +85,6 @@ class _RedirectNamespace:
             key = f"{self._name}.{op}"
             REDIRECTED[key] = REDIRECTED.get(key, 0) + 1
             return getattr(torch.ops.hopper_moe, op)
-        provided = _CAPABILITY_OF.get(op)
-        if provided is not None:
-            # A capability query about kernels hopper_moe provides under vLLM's names.
-            answer = all(name in HOPPER_OPS for name in provided)
-            return lambda *args, **kwargs: answer
         if "supported" in op or "supports" in op:
             # Capability queries of kernels vLLM has and hopper_moe does not (asked at import
             # time by vLLM's modules): "not supported", so vLLM picks another path.

@@ -10,8 +10,11 @@ in its tensor-op implementation (``native=True``), so that torch.compile traces 
 Precision: on CUDA the grouped GEMMs take bf16 (or exact fp8) operands and return bf16, so the
 GEMM outputs and the SiLU*mul output are kept in bf16 (as in vLLM's unfused Triton pipeline);
 block FP8 (no PyTorch kernel for it) and sizes the FP8 kernel cannot take run on
-bf16-dequantized operands. On CPU everything is fp32. ``precision`` states this as arguments
-of the reference. Under torch.compile fp32 GEMMs (CPU) use the per-expert masked loop,
+bf16-dequantized operands. On CPU the GEMMs are fp32; an FP8 layer with fp16/bf16 activations
+then stores the GEMM outputs and SiLU*mul in the activation dtype, with silu(gate) rounded
+before the multiply, as vLLM's pipeline does: the FP8 requantization of the intermediate sees
+vLLM's values, not values one rounding apart that land in another FP8 bucket. Everything else
+on CPU is fp32. ``precision`` states this as arguments of the reference. Under torch.compile fp32 GEMMs (CPU) use the per-expert masked loop,
 because torch._grouped_mm's fake kernel accepts bf16 only.
 
 This backend has no GEMM-only entry (``make_gemm_only``): benchmarks time its grouped GEMMs
@@ -213,12 +216,14 @@ class _TorchPlan:
     scaled: FP8 GEMMs run on torch._scaled_grouped_mm (exact fp8 operands, bf16 output).
     intermediate_dtype: dtype the GEMM outputs and the SiLU*mul output are kept in (None: fp32).
     dequant_dtype: dtype of dequantized GEMM operands (None: fp32, or no dequantization).
+    silu_dtype: silu(gate) is rounded to this dtype before the multiply by up (None: not).
     """
 
     compute_dtype: torch.dtype
     scaled: bool
     intermediate_dtype: Optional[torch.dtype]
     dequant_dtype: Optional[torch.dtype]
+    silu_dtype: Optional[torch.dtype] = None
 
 
 def _torch_plan(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -227,6 +232,13 @@ def _torch_plan(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     scaled = (quant is not None and _scaled_grouped_mm_usable(w1, quant)
               and _scaled_grouped_mm_usable(w2, quant))
     low = None if compute == torch.float32 else compute
+    if (quant is not None and compute == torch.float32
+            and hidden_states.dtype in (torch.float16, torch.bfloat16)):
+        # fp32 GEMMs (the CPU) of a 16-bit FP8 layer: vLLM's rounding of the intermediates
+        # (module docstring).
+        return _TorchPlan(compute_dtype=compute, scaled=False,
+                          intermediate_dtype=hidden_states.dtype, dequant_dtype=None,
+                          silu_dtype=hidden_states.dtype)
     return _TorchPlan(compute_dtype=compute, scaled=scaled,
                       intermediate_dtype=torch.bfloat16 if scaled else low,
                       dequant_dtype=None if quant is None or scaled else low)
@@ -239,7 +251,10 @@ def precision(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     (grouped GEMMs output bf16), all None (pure fp32) on CPU. Tests compare the torch backend
     with the reference of its own precision at OPS.md's tolerances."""
     plan = _torch_plan(hidden_states, w1, w2, quant)
-    return {"intermediate_dtype": plan.intermediate_dtype, "dequant_dtype": plan.dequant_dtype}
+    out = {"intermediate_dtype": plan.intermediate_dtype, "dequant_dtype": plan.dequant_dtype}
+    if plan.silu_dtype is not None:
+        out["silu_dtype"] = plan.silu_dtype
+    return out
 
 
 def _expert_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor,
@@ -257,6 +272,14 @@ def _expert_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
     a_deq = _dequantize_rows(a, a_scale, quant, plan.compute_dtype)
     w_deq = _dequantize_weight(w, w_scale, quant, plan.compute_dtype)
     return _grouped_gemm(a_deq, w_deq, offs, sorted_key)
+
+
+def _stored(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """t as fp32 after a store in dtype (None: fp32, no rounding); a no-op for a tensor
+    already of that dtype."""
+    if dtype is None or t.dtype == dtype:
+        return t.float()
+    return t.to(dtype).float()
 
 
 def sort_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, global_num_experts: int,
@@ -313,7 +336,9 @@ def run(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_in
     # dtype, the same rounding). Rows past offs[-1] are unspecified: GEMM2 never reads them and
     # its rows there are masked below; before an FP8 requantization they become exact zeros
     # so they stay out of a dynamic per-tensor amax.
-    inter = F.silu(h[:, :intermediate_size].float()) * h[:, intermediate_size:].float()
+    h = _stored(h, plan.intermediate_dtype)
+    inter = (_stored(F.silu(h[:, :intermediate_size]), plan.silu_dtype)
+             * h[:, intermediate_size:].float())
 
     # GEMM2: [S, I] x [E, H, I] -> [S, H]
     if quant is None:
@@ -326,6 +351,7 @@ def run(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_in
                                                     native=True)
     y = _expert_gemm(a2, a2_scale, w2, None if quant is None else quant.w2_scale, quant, plan,
                      offs, sorted_key)
+    y = _stored(y, plan.intermediate_dtype)
 
     return combine_sorted_slots(y, order, sorted_valid, topk_weights,
                                 apply_router_weight_on_input).to(hidden_states.dtype)
