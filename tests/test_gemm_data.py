@@ -170,11 +170,28 @@ def test_permutations_drive_a_grouped_matmul():
     torch.testing.assert_close(y, expected)
 
 
-def test_blockscale_offsets_rejected():
-    ids = torch.zeros((2, 2), dtype=torch.int32)
-    outs = _outputs(4, 3)
-    with pytest.raises(RuntimeError, match="blockscale_offsets"):
-        DATA(ids, *outs, 3, 8, 16, torch.zeros((4,), dtype=torch.int32), True)
+def run_data_blockscale(topk_ids, num_experts, n, k, device="cpu"):
+    outs = _outputs(topk_ids.numel(), num_experts, device)
+    b = poison(torch.empty((num_experts + 1,), dtype=torch.int32, device=device))
+    DATA(topk_ids.to(device), *outs, num_experts, n, k, b, True)
+    return [o.cpu() for o in outs], b.cpu()
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(2, 2, 2), (5, 3, 4), (300, 4, 8),
+                                                          (0, 2, 3)])
+def test_blockscale_offsets(num_tokens, top_k, num_experts):
+    """vLLM's FP4 layout: blockscale_offsets = prefix sums of the row counts rounded up to
+    128, no swap-AB even for <= 64 slots; everything else as without it."""
+    ids = random_ids(num_tokens, top_k, num_experts, seeded(num_tokens + num_experts))
+    outs, b = run_data_blockscale(ids, num_experts, 8, 16)
+    plain = run_data(ids, num_experts, 8, 16)
+    counts = (plain[0][1:] - plain[0][:-1]).long()
+    want = torch.cat([torch.zeros(1, dtype=torch.long), ((counts + 127) // 128 * 128).cumsum(0)])
+    assert b.tolist() == want.tolist()
+    assert torch.equal(outs[0], plain[0]) and torch.equal(outs[3], plain[3])
+    assert torch.equal(outs[4], plain[4])
+    assert outs[1][:, 0].tolist() == counts.tolist()  # (m, 2n, k): never swapped
+    assert outs[1][:, 1].eq(16).all() and outs[2][:, 1].eq(16).all()
 
 
 # ------------------------------------------------- problem sizes from expert offsets
@@ -253,7 +270,10 @@ def _bad_data_cases(device):
         return tuple(a.values())
 
     return [
-        ("blockscale_offsets", args(blockscale_offsets=torch.zeros((4,), **i32))),
+        ("blockscale_offsets", args(blockscale_offsets=torch.zeros((3,), **i32))),
+        ("blockscale_offsets", args(blockscale_offsets=torch.zeros((4,), dtype=torch.int64,
+                                                                   **f))),
+        ("blockscale_offsets", args(blockscale_offsets=off)),  # overlaps expert_offsets
         ("num_experts", args(num_experts=0)),
         ("num_experts", args(num_experts=-2)),
         ("n must", args(n=0)),
@@ -371,6 +391,18 @@ def test_cuda_matches_cpu(id_dtype, offsets_dtype):
             for g, w, name in zip(got, want, ["offsets", "ps1", "ps2", "in_perm", "out_perm"]):
                 assert torch.equal(g, w), f"{name}: {what}"
         check_invariants(ids, e, 96, 160, False, got)
+
+
+@gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(2, 2, 2), (300, 4, 8), (0, 2, 3),
+                                                          (5000, 8, 256)])
+def test_cuda_blockscale_offsets_match_cpu(num_tokens, top_k, num_experts):
+    ids = random_ids(num_tokens, top_k, num_experts, seeded(num_experts))
+    outs, b = run_data_blockscale(ids, num_experts, 8, 16)
+    outs_gpu, b_gpu = run_data_blockscale(ids, num_experts, 8, 16, device="cuda")
+    assert torch.equal(b_gpu, b)
+    for got, want in zip(outs_gpu, outs):
+        assert torch.equal(got, want)
 
 
 @gpu

@@ -138,10 +138,18 @@ def same_accumulators(out16, out_bf16):
     o16, ob = out16.float().cpu(), out_bf16.float().cpu()
     written = ~torch.isnan(ob)
     assert torch.equal(torch.isnan(o16), ~written)
-    twice = o16[written].bfloat16().float()
-    once = ob[written]
-    assert torch.all((twice - once).abs() <= once.abs() * 2.0 ** -7), \
-        "the fp16 output is not the fp16 rounding of the bf16 output's accumulators"
+    # Below fp16's normal range (2^-14) fp16 keeps fewer significant bits than bf16: there the
+    # two roundings may differ by more than a bf16 step, so those elements are left out.
+    normal = written & (o16.abs() >= 2.0 ** -14)
+    twice = o16[normal].bfloat16().float()
+    once = ob[normal]
+    off = (twice - once).abs() > once.abs() * 2.0 ** -7
+    if off.any():
+        i = int(off.nonzero()[0])
+        raise AssertionError(
+            f"the fp16 output is not the fp16 rounding of the bf16 output's accumulators: "
+            f"{int(off.sum())} of {once.numel()} elements, e.g. fp16 {o16[normal][i].item()!r} "
+            f"vs bf16 {once[i].item()!r}")
 
 
 def check_fp16_out(out16, a, b, offs, sa, sb, tol=None):

@@ -129,6 +129,20 @@ def test_warmup_cpu_runs_each_class():
     assert report.run_s > 0
 
 
+@gpu
+def test_warmup_under_a_cuda_default_device():
+    """vLLM's tests (and engines) set torch's default device to CUDA: warmup draws its inputs
+    from a CPU generator, so it must place them on the CPU explicitly."""
+    w1 = (torch.randn(4, 64, 32, generator=seeded(1)) / 6).bfloat16().cuda()
+    w2 = (torch.randn(4, 32, 32, generator=seeded(2)) / 6).bfloat16().cuda()
+    torch.set_default_device("cuda")
+    try:
+        report = hopper_moe.warmup(w1, w2, 2, 8, backend="torch")
+    finally:
+        torch.set_default_device(None)
+    assert report.token_counts == {"torch": [1, 3, 5]}
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(max_num_tokens=0), "max_num_tokens must be an int >= 1"),
     (dict(max_num_tokens=2.0), "max_num_tokens must be an int >= 1"),

@@ -3,7 +3,7 @@
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
 #   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|stages|tune|sanitize|cmake ...]
-#   [host|warmup|oracle ...]   (default: build test bench sanitize cmake)
+#   [host|warmup|oracle|vllm ...]   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hopper_moe_out}
@@ -92,6 +92,20 @@ for step in $steps; do
           --tool $tool python3 tools/sanitize_ops.py ${SANITIZE_ARGS:-} >"$OUT/sanitize_$tool.log" 2>&1
         echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize_$tool.log" | tail -1)"
       done | tee "$OUT/sanitize.txt" ;;
+    vllm)
+      # vLLM 0.33.0's own kernel tests against this build (tools/vllm_kernel_tests.sh), in an
+      # environment made offline from the bundle of tools/vllm_offline_bundle.sh (carried as
+      # .vllm_bundle). VLLM_KT_WORKERS: pytest-xdist workers (4: GPU memory); VLLM_KT_ARGS adds
+      # arguments (e.g. "--files '*topk*'").
+      EXTRA_SITE=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))') \
+        bash tools/vllm_offline_env.sh .vllm_bundle /tmp/vllm_kt_venv >"$OUT/vllm_env.log" 2>&1 \
+        || { tail -20 "$OUT/vllm_env.log"; echo "VLLM ENV FAILED"; rc=1; continue; }
+      eval "set -- ${VLLM_KT_ARGS:-}"
+      HOPPER_MOE_VLLM_OFFLINE=1 HOPPER_MOE_VLLM_KT_VENV=/tmp/vllm_kt_venv \
+        HOPPER_MOE_VLLM_SDIST=.vllm_bundle/vllm-0.33.0-tests.tar.gz \
+        bash tools/vllm_kernel_tests.sh --device cuda -n "${VLLM_KT_WORKERS:-4}" \
+        --log "$OUT/vllm_kernel_tests_h200.txt" "$@" >/dev/null 2>&1 || rc=1
+      sed -n '/summary (hopper_moe/,$p' "$OUT/vllm_kernel_tests_h200.txt" | head -40 ;;
     cmake)
       ( cmake -S . -B /tmp/cmake_build -G Ninja -DCMAKE_BUILD_TYPE=Release \
           -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \

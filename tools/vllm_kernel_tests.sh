@@ -15,9 +15,10 @@
 #              CUDA context and caches, which bounds GPU memory)
 #   --log      also write the whole log to FILE (e.g. benchmarks/results/vllm_kernel_tests_cpu.txt)
 #   --files    run only the SELECTED files matching these globs (e.g. '*topk*')
-#   --all      on the CPU, also run the GPU-sized cases deselected by default (CPU_DESELECT:
-#              32768/40000-token test_fused_moe shapes and the int64-overflow test, whose torch
-#              and Triton-interpreter references take tens of minutes each on a CPU)
+#   --all      on the CPU, also run the GPU-sized cases skipped there by default (skips.py,
+#              CPU_GPU_SIZED: 32768/40000-token test_fused_moe shapes, the int64-overflow test,
+#              2048/8192-token block-FP8 layers, whose fp32 torch references take minutes to
+#              tens of minutes each on a CPU)
 #   HOPPER_MOE_VLLM_KT_VENV=path  the environment (default build/vllm-kt-venv; made if missing)
 #   HOPPER_MOE_VLLM_SDIST=path    a vllm-0.33.0.tar.gz already downloaded (skips the download)
 #   HOPPER_MOE_VLLM_WHEEL=path    a local vllm-0.33.0 wheel to install instead of PyPI's
@@ -40,7 +41,6 @@ LOG=""
 FILES=""
 ALL=0
 EXTRA=()
-CPU_DESELECT="not 32768 and not 40000 and not int64_overflow"
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE=$2; shift 2 ;;
@@ -151,14 +151,13 @@ export HOPPER_MOE_VLLM_DEVICE=$DEVICE
 export PYTHONPATH="$ROOT/tests/vllm_compat${PYTHONPATH:+:$PYTHONPATH}"
 [ "$DEVICE" = cpu ] && export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
 XML=$ROOT/$WORK/results.xml
-KEXPR=()
+export HOPPER_MOE_VLLM_ALL=$ALL
 if [ "$DEVICE" = cpu ] && [ "$ALL" = 0 ]; then
-  KEXPR=(-k "$CPU_DESELECT")
-  say "CPU run: deselected for time (GPU-sized cases; --all runs them): -k '$CPU_DESELECT'"
+  say "CPU run: GPU-sized cases skipped for time (skips.py CPU_GPU_SIZED; --all runs them)"
 fi
 status=0
 (cd "$SRC" && "$PY" -m pytest -p hopper_moe_vllm_shim -p no:cacheprovider -n "$WORKERS" \
-   -q -rfEs --tb=line --junitxml="$XML" -o junit_family=xunit1 "${KEXPR[@]}" \
+   -q -rfEs --tb=line --junitxml="$XML" -o junit_family=xunit1 \
    "${SELECTED[@]}" "${EXTRA[@]}") || status=$?
 end=$(date +%s)
 say "pytest exit status $status; tests in $((end - ready)) s, total $((end - start)) s"

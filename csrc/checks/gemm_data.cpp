@@ -32,16 +32,14 @@ void check_n_k(const char* op, int64_t n, int64_t k, bool gated) {
 
 // topk_ids [T, K] int32/int64 contiguous; expert_offsets [num_experts + 1] int32/int64;
 // problem_sizes{1,2} int32 [num_experts, 3]; input/output_permutation int32 [T*K]; all
-// contiguous and on one device. blockscale_offsets (the FP4 path) must be None.
+// contiguous and on one device. blockscale_offsets (vLLM's FP4 path): None, or int32
+// [num_experts + 1], written (as vLLM does although its schema declares it read-only).
 void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offsets,
                              at::Tensor& problem_sizes1, at::Tensor& problem_sizes2,
                              at::Tensor& input_permutation, at::Tensor& output_permutation,
                              int64_t num_experts, int64_t n, int64_t k,
                              const OptTensor& blockscale_offsets, bool is_gated) {
   constexpr const char* kOp = "get_cutlass_moe_mm_data";
-  HM_CHECK(kOp, !blockscale_offsets.has_value(),
-           "blockscale_offsets must be None: hopper_moe has no FP4 grouped GEMM, and the schema "
-           "declares blockscale_offsets read-only, so it cannot be written");
   HM_CHECK(kOp, num_experts >= 1 && num_experts < kInt32Max,
            "num_experts must be in [1, 2^31 - 1) (got ", num_experts, ")");
   check_n_k(kOp, n, k, is_gated);
@@ -71,12 +69,21 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
   };
   check_permutation(input_permutation, "input_permutation");
   check_permutation(output_permutation, "output_permutation");
+  if (blockscale_offsets) {
+    const auto& b = *blockscale_offsets;
+    check_dim_named(kOp, b, "blockscale_offsets", 1);
+    check_dtype_named(kOp, b, "blockscale_offsets", at::kInt);
+    check_same_device_named(kOp, b, "blockscale_offsets", topk_ids, "topk_ids");
+    check_size_named(kOp, b, "blockscale_offsets", 0, num_experts + 1, "num_experts + 1");
+    check_contiguous_named(kOp, b, "blockscale_offsets");
+  }
   check_outputs_disjoint(kOp,
                          {{expert_offsets, "expert_offsets"},
                           {problem_sizes1, "problem_sizes1"},
                           {problem_sizes2, "problem_sizes2"},
                           {input_permutation, "input_permutation"},
-                          {output_permutation, "output_permutation"}},
+                          {output_permutation, "output_permutation"},
+                          {blockscale_offsets, "blockscale_offsets"}},
                          {{topk_ids, "topk_ids"}});
 }
 

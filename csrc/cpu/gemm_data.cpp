@@ -18,7 +18,10 @@
 //                           row: vLLM's "reads a zero row") for a slot that does not count;
 //   problem_sizes1[e]     = (m_e, N1, k) with N1 = 2n if is_gated else n; problem_sizes2[e] =
 //                           (m_e, k, n); both swapped to (N, M, K) order when S <= 64 (vLLM's
-//                           swap-AB threshold; the grouped GEMM then runs with A and B swapped).
+//                           swap-AB threshold; the grouped GEMM then runs with A and B swapped)
+//                           and blockscale_offsets is None;
+//   blockscale_offsets    (optional, vLLM's FP4 layout) [0] = 0, [e + 1] = [e] + m_e rounded up
+//                           to a multiple of 128.
 //
 // get_cutlass_moe_mm_problem_sizes_from_expert_offsets: m_e = expert_first_token_offset[e+1] -
 // expert_first_token_offset[e] clamped to [0, 2^31 - 1] (garbage offsets never yield a negative
@@ -110,7 +113,8 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
                                  input_permutation, output_permutation, num_experts, n, k,
                                  blockscale_offsets, is_gated);
   // No empty-problem return: with 0 slots the offsets and problem sizes are still written.
-  const bool swap_ab = topk_ids.numel() <= kSwapAbMaxSlots;
+  // With blockscale_offsets (vLLM's FP4 layout) the sizes are never swapped.
+  const bool swap_ab = !blockscale_offsets && topk_ids.numel() <= kSwapAbMaxSlots;
   const auto n1 = static_cast<int32_t>(is_gated ? 2 * n : n);
   int32_t* ps1 = problem_sizes1.mutable_data_ptr<int32_t>();
   int32_t* ps2 = problem_sizes2.mutable_data_ptr<int32_t>();
@@ -124,6 +128,18 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
     moe_mm_data_typed<int64_t>(topk_ids, expert_offsets, ps1, ps2, in_perm, out_perm,
                                num_experts, n1, static_cast<int32_t>(n),
                                static_cast<int32_t>(k), swap_ab);
+  }
+  if (blockscale_offsets) {
+    // Each expert's rows rounded up to 128 (the FP4 block-scale tiles), as a prefix sum.
+    int32_t* b = blockscale_offsets->mutable_data_ptr<int32_t>();
+    const at::Tensor off = expert_offsets.to(at::kLong);
+    const int64_t* o = off.const_data_ptr<int64_t>();
+    int64_t acc = 0;
+    b[0] = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      acc += (o[e + 1] - o[e] + 127) / 128 * 128;
+      b[e + 1] = static_cast<int32_t>(acc);
+    }
   }
 }
 

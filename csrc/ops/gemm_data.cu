@@ -49,7 +49,8 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   const int64_t num_slots = topk_ids.numel();
-  const bool swap_ab = num_slots <= kSwapAbMaxSlots;
+  // With blockscale_offsets (vLLM's FP4 layout) the sizes are never swapped.
+  const bool swap_ab = !blockscale_offsets && num_slots <= kSwapAbMaxSlots;
   const auto n1 = static_cast<int32_t>(is_gated ? 2 * n : n);
 
   // Sort buffers: sizes depend on the shapes only (graph-capturable allocations).
@@ -103,6 +104,17 @@ void get_cutlass_moe_mm_data(const at::Tensor& topk_ids, at::Tensor& expert_offs
         ps2, n1, n32, k32, swap_ab);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (blockscale_offsets) {
+    int32_t* b = blockscale_offsets->mutable_data_ptr<int32_t>();
+    if (expert_offsets.scalar_type() == at::kInt) {
+      detail::write_blockscale_offsets<<<1, 1, 0, stream>>>(
+          expert_offsets.const_data_ptr<int32_t>(), num_experts, b);
+    } else {
+      detail::write_blockscale_offsets<<<1, 1, 0, stream>>>(
+          expert_offsets.const_data_ptr<int64_t>(), num_experts, b);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
   if (num_slots > 0) {
     detail::write_permutations<<<grid_for(num_slots), kThreads, 0, stream>>>(

@@ -87,7 +87,7 @@ def measure_layer(call: Callable[[], object], evict: Callable[[], None], iters: 
 
 def _routing(m: int, num_experts: int, top_k: int, device, seed: int):
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    logits = torch.randn(m, num_experts, generator=gen)
+    logits = torch.randn(m, num_experts, generator=gen, device="cpu")
     weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(device), ids.to(device=device, dtype=torch.int32)
@@ -152,9 +152,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           flush=True)
     for shape_name, (e, k, h, i) in shapes.items():
         gen = torch.Generator(device="cpu").manual_seed(1)
-        w1 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(device, dtype)
-        w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(device, dtype)
-        x_all = torch.randn(max(ms), h, generator=gen).to(device, dtype)
+        cpu = torch.device("cpu")  # the generator's device, whatever the default device is
+        w1 = (torch.randn(e, 2 * i, h, generator=gen, device=cpu) / h ** 0.5).to(device, dtype)
+        w2 = (torch.randn(e, h, i, generator=gen, device=cpu) / i ** 0.5).to(device, dtype)
+        x_all = torch.randn(max(ms), h, generator=gen, device=cpu).to(device, dtype)
         for scheme in schemes:
             if not _applies((e, k, h, i), scheme):
                 continue

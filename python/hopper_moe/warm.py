@@ -106,12 +106,14 @@ def warmup(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int =
     if top_k > num_global:
         _fail(f"top_k = {top_k} must be at most the number of experts ({num_global})")
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(max_num_tokens, hidden, generator=gen) * 0.5).to(device=device,
-                                                                     dtype=dtype)
+    # Drawn on the CPU, whatever torch's default device is, then moved to the layer's device.
+    x = torch.randn(max_num_tokens, hidden, generator=gen, device="cpu") * 0.5
+    x = x.to(device=device, dtype=dtype)
     # Distinct experts per token, as a router gives them.
-    ids = torch.rand(max_num_tokens, num_global, generator=gen).argsort(dim=1)[:, :top_k]
+    ids = torch.rand(max_num_tokens, num_global, generator=gen, device="cpu")
+    ids = ids.argsort(dim=1)[:, :top_k]
     ids = ids.to(device=device, dtype=torch.int32)
-    weights = torch.rand(max_num_tokens, top_k, generator=gen).to(device)
+    weights = torch.rand(max_num_tokens, top_k, generator=gen, device="cpu").to(device)
 
     def call(m: int, name: str, **extra):
         return api.fused_experts(x[:m], w1, w2, weights[:m], ids[:m], "silu",

@@ -13,6 +13,7 @@ SKIPS      tests inside SELECTED files that are skipped: (node id glob, reason).
            the node id relative to the extracted sdist, e.g.
            ``tests/kernels/moe/test_moe.py::test_fused_moe_wn16[...]``.
 CPU_SKIPS  tests skipped in the CPU run only (where tensors live; a reference the interpreter breaks).
+CPU_GPU_SIZED  the GPU-sized cases the CPU run leaves out for time (the GPU run and --all take them).
 """
 from __future__ import annotations
 
@@ -177,15 +178,33 @@ CPU_SKIPS = [
      INTERPRETER_FP8),
 ]
 
+# GPU-sized cases, not run on the CPU for time unless the run asks for them (--all): their
+# fp32 torch references take minutes to tens of minutes each on a CPU. They test nothing the
+# smaller cases of the same tests do not, except size, and they run on the GPU.
+GPU_SIZED = "GPU-sized case (minutes of CPU time per case); runs on the GPU and with --all"
+CPU_GPU_SIZED = [
+    # test_fused_moe's (32768, 2048, 511) and (40000, 1024, 1024) shapes; the 2^31+ element test
+    ("tests/kernels/moe/test_moe.py::*32768*", GPU_SIZED),
+    ("tests/kernels/moe/test_moe.py::*40000*", GPU_SIZED),
+    ("tests/kernels/moe/test_moe.py::test_fused_moe_int64_overflow*", GPU_SIZED),
+    # block FP8 with M = 2048 and 8192 tokens (ids: seed-dtype-block-topk-E-M-N-K; no N, K,
+    # E or topk value is 2048 or 8192)
+    ("tests/kernels/moe/test_block_fp8.py::test_w8a8_block_fp8_fused_moe[*-2048-*", GPU_SIZED),
+    ("tests/kernels/moe/test_block_fp8.py::test_w8a8_block_fp8_fused_moe[*-8192-*", GPU_SIZED),
+    # CUTLASS MoE with 32768 / 65536 tokens
+    ("tests/kernels/moe/test_cutlass_moe.py::*32768*", GPU_SIZED),
+    ("tests/kernels/moe/test_cutlass_moe.py::*65536*", GPU_SIZED),
+]
+
 # test_act_and_mul is parametrized over activations; only the SiLU ones are hopper_moe's.
 _ACT_AND_MUL = "tests/kernels/core/test_activation.py::test_act_and_mul["
 
 
-def reason_for(nodeid: str, device: str = "cuda") -> str | None:
+def reason_for(nodeid: str, device: str = "cuda", gpu_sized: bool = False) -> str | None:
     """The skip reason of an upstream test node id in a run on `device` ("cpu" or "cuda"), or
-    None when it runs."""
+    None when it runs. gpu_sized: the CPU run takes the GPU-sized cases too (--all)."""
     if device == "cpu":
-        for pattern, reason in CPU_SKIPS:
+        for pattern, reason in CPU_SKIPS + ([] if gpu_sized else CPU_GPU_SIZED):
             if fnmatch.fnmatchcase(nodeid, pattern):
                 return reason
     if nodeid.startswith(_ACT_AND_MUL):

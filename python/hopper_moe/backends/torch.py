@@ -193,6 +193,28 @@ def _dequantize_weight(w: torch.Tensor, scale: torch.Tensor, quant: QuantConfig,
     return (w.float() * prepare.weight_scale_3d(scale, w, quant)).to(dtype)
 
 
+def _dequant_loop_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                       quant: QuantConfig, dtype: torch.dtype,
+                       offs: torch.Tensor) -> torch.Tensor:
+    """_loop_gemm over fp8 weights dequantized expert by expert (the values and the products
+    of _dequantize_weight's, for the experts that have rows; reads offs on the host)."""
+    out = a.new_zeros(a.shape[0], w.shape[1])
+    s3 = prepare.weight_scale_3d(scale, w, quant)
+    if quant.block_shape is not None:
+        bn, bk = quant.block_shape
+        rows = torch.arange(w.shape[1], device=w.device) // bn
+        cols = torch.arange(w.shape[2], device=w.device) // bk
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            s = s3[e]
+            if quant.block_shape is not None:
+                s = s.index_select(0, rows).index_select(1, cols)
+            out[start:end] = a[start:end] @ (w[e].float() * s).to(dtype).t()
+        start = end
+    return out
+
+
 def _row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Per-tensor [] or per-row [R, 1] activation scale -> contiguous [R] (scale_a operand)."""
     return scale.reshape(-1).expand(num_rows).contiguous() if scale.dim() == 0 else (
@@ -270,6 +292,10 @@ def _expert_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
             a, w.transpose(1, 2), _row_scales(a_scale, a.shape[0]),
             _weight_col_scales(w_scale, w, quant), offs=offs, out_dtype=torch.bfloat16)
     a_deq = _dequantize_rows(a, a_scale, quant, plan.compute_dtype)
+    if a.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager CPU: one expert's weights dequantized at a time, only experts with rows (all of
+        # them at once is E x N x K fp32 values, several GB for a large layer).
+        return _dequant_loop_gemm(a_deq, w, w_scale, quant, plan.compute_dtype, offs)
     w_deq = _dequantize_weight(w, w_scale, quant, plan.compute_dtype)
     return _grouped_gemm(a_deq, w_deq, offs, sorted_key)
 

@@ -79,6 +79,20 @@ __global__ void write_offsets_and_sizes(const uint32_t* __restrict__ sorted_keys
   }
 }
 
+// vLLM's FP4 block-scale offsets: b[0] = 0, b[e + 1] = b[e] + m_e rounded up to 128. One
+// thread (num_experts steps), after write_offsets_and_sizes.
+template <typename offset_t>
+__global__ void write_blockscale_offsets(const offset_t* __restrict__ expert_offsets,
+                                         int64_t num_experts, int32_t* __restrict__ b) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t acc = 0;
+  b[0] = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    acc += (static_cast<int64_t>(expert_offsets[e + 1]) - expert_offsets[e] + 127) / 128 * 128;
+    b[e + 1] = static_cast<int32_t>(acc);
+  }
+}
+
 __global__ void write_permutations(const uint32_t* __restrict__ sorted_keys,
                                    const int32_t* __restrict__ sorted_slots, int64_t num_slots,
                                    int64_t num_experts, int64_t top_k,
