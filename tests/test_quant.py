@@ -284,6 +284,30 @@ def test_per_token_group_cpu_matches_reference(shape, group_size, transposed, dt
     assert_round_trip(rows2d(q), smap, rows2d(x))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,k,group_size", [(7, 13824, 64), (2050, 512, 64), (2050, 4096, 128)])
+def test_per_token_group_matches_torch_on_uniform_input(device, m, k, group_size):
+    """vLLM's test_per_token_group_quant_fp8 case: torch.rand bf16 input (on CUDA its values
+    reach far below 2^-8, so x / s lands in e4m3's subnormal range), against torch's own
+    expression on the same device: amax / 448, x / s, clamp, cast. Bit-exact (the ops promise
+    the same fp32 expressions and round-to-nearest-even cast as torch)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.rand(m, k, dtype=torch.bfloat16, device=device, generator=g)
+    tiny = x.view(-1)[::997]  # every binade from 2^-8 down to 2^-47
+    tiny.copy_(torch.exp2(-8.0 - torch.arange(tiny.numel(), device=device) % 40))
+    groups = x.reshape(-1, group_size)
+    s_ref = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10).float() / 448.0
+    q_ref = (groups / s_ref).clamp(-448.0, 448.0).to(FP8).reshape(m, k)
+    q, s = fp8_empty((m, k), device), f32_empty((m, k // group_size), device)
+    ops.per_token_group_fp8_quant(x, q, s, group_size, 1e-10, -448.0, 448.0, False, False, False)
+    assert torch.equal(s.reshape(-1, 1), s_ref)
+    diff = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+    s_rows = s_ref.view(m, -1)
+    examples = [(x[r, c].item(), (x[r, c].float() / s_rows[r, c // group_size]).item(),
+                 q[r, c].float().item(), q_ref[r, c].float().item()) for r, c in diff[:8].tolist()]
+    assert diff.numel() == 0, f"{diff.shape[0]} codes differ; (x, x / s, got, torch): {examples}"
+
+
 def test_per_token_group_eps_range_nan_and_zero():
     x = torch.zeros(3, 8)
     x[1, :4] = torch.tensor([1.0, float("nan"), -0.5, 0.25])

@@ -39,6 +39,7 @@ import torch
 import hopper_moe
 from hopper_moe import QuantConfig, settings
 from hopper_moe import vllm_plugin as plugin
+from hopper_moe.backends import torch as torch_backend
 from hopper_moe.quant import make_quant_config, quantize_weights_fp8
 from hopper_moe.reference.layer import fused_experts_ref
 
@@ -612,16 +613,21 @@ def make_layer(scheme, variant, m=37, e=8, h=256, i=128, seed=0) -> Layer:
                  expert_map, global_num_experts, variant == "router_weight_on_input")
 
 
-def reference(layer: Layer) -> torch.Tensor:
+def reference(layer: Layer, ran_on_cpu: bool = True) -> torch.Tensor:
     """fp32 reference. With apply_router_weight_on_input vLLM's prepare step multiplies each
     input row by its (top-1) weight in the input dtype before the experts; the reference takes
-    that product as its input and weighs the outputs by 1."""
+    that product as its input and weighs the outputs by 1. ran_on_cpu: the output compared
+    came from hopper_moe on the CPU (its torch backend), so the reference rounds where that
+    backend does (``backends.torch.precision``: an FP8 layer with 16-bit activations rounds
+    its intermediates to the activation dtype, as vLLM's pipeline does)."""
     x, weights = layer.x, layer.weights
     if layer.on_input:
         x, weights = x * weights.to(x.dtype), torch.ones_like(weights)
+    precision = torch_backend.precision(layer.x, layer.w1, layer.w2, layer.quant) \
+        if ran_on_cpu else {}
     return fused_experts_ref(x, layer.w1, layer.w2, weights, layer.ids,
                              global_num_experts=layer.global_num_experts,
-                             expert_map=layer.expert_map, quant=layer.quant)
+                             expert_map=layer.expert_map, quant=layer.quant, **precision)
 
 
 def tolerance(scheme):
@@ -695,7 +701,7 @@ def test_fused_moe_kernel_on_the_gpu_matches_the_reference(scheme, variant, warm
     on_gpu = layer_to(layer, "cuda")
     out = run_kernel(vllm_kernel(on_gpu), on_gpu)
     assert out.is_cuda
-    out, ref = out.cpu(), reference(layer)
+    out, ref = out.cpu(), reference(layer, ran_on_cpu=False)
     if scheme == "bf16":
         check_close(out, ref, scheme)
         return
