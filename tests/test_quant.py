@@ -284,6 +284,38 @@ def test_per_token_group_cpu_matches_reference(shape, group_size, transposed, dt
     assert_round_trip(rows2d(q), smap, rows2d(x))
 
 
+def _e4m3_boundaries() -> torch.Tensor:
+    """fp32 values where rounding to e4m3 decides: every midpoint between two neighbouring
+    non-negative codes (0 to 448), the 3 floats on each side of it, the codes themselves, and
+    random values over every binade from 2^-12 to 2^9; both signs."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # 0 .. 448
+    mids = (codes[:-1] + codes[1:]) / 2  # exact in fp32
+    bits = mids.view(torch.int32)
+    near = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)])
+    g = seeded(7)
+    rand = torch.exp2(torch.rand(100_000, generator=g) * 21 - 12).clamp(max=448.0)
+    values = torch.cat([codes, near, rand])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conversion_is_torchs_cast_at_every_rounding_boundary(device):
+    """The quantization ops' e4m3 conversion (hopper_moe/common/fp8.cuh e4m3_bits) against
+    torch's own cast, through static_scaled_fp8_quant with scale 1 (q = e4m3(clamp(x))): both
+    the vectorized and the element-wise kernel on CUDA (an aligned and a misaligned input)."""
+    x = _e4m3_boundaries().to(device)
+    want = x.to(FP8).view(torch.uint8)
+    one = torch.ones(1, device=device)
+    for offset in (0, 1):
+        xs = strided_like(x.view(1, -1), device, elem_offset=offset)
+        q = fp8_empty(xs.shape, device)
+        ops.static_scaled_fp8_quant(q, xs, one)
+        got = q.view(torch.uint8).view(-1)
+        bad = (got != want).nonzero().flatten()
+        assert bad.numel() == 0, [(x[i].item(), got[i].item(), want[i].item())
+                                  for i in bad[:8].tolist()]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m,k,group_size", [(7, 13824, 64), (2050, 512, 64), (2050, 4096, 128)])
 def test_per_token_group_matches_torch_on_uniform_input(device, m, k, group_size):
@@ -296,7 +328,9 @@ def test_per_token_group_matches_torch_on_uniform_input(device, m, k, group_size
     tiny = x.view(-1)[::997]  # every binade from 2^-8 down to 2^-47
     tiny.copy_(torch.exp2(-8.0 - torch.arange(tiny.numel(), device=device) % 40))
     groups = x.reshape(-1, group_size)
-    s_ref = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10).float() / 448.0
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10).float()
+    # A tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal
+    s_ref = amax / torch.full_like(amax, 448.0)
     q_ref = (groups / s_ref).clamp(-448.0, 448.0).to(FP8).reshape(m, k)
     q, s = fp8_empty((m, k), device), f32_empty((m, k // group_size), device)
     ops.per_token_group_fp8_quant(x, q, s, group_size, 1e-10, -448.0, 448.0, False, False, False)

@@ -49,7 +49,7 @@ void silu_and_mul_quant(at::Tensor& result, const at::Tensor& input, const at::T
     const scalar_t* src = v.const_data_ptr<scalar_t>();
     at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        out[i] = fp8::e4m3_bits_host(fp8::clamp_e4m3(static_cast<float>(src[i]) * inv_scale));
+        out[i] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(src[i]) * inv_scale));
       }
     });
   });

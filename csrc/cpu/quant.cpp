@@ -56,7 +56,7 @@ void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
         const float* s_row = s + (r / groups.group_m) * groups.stride_m;
         for (int64_t j = 0; j < k; ++j) {
           const float inv_scale = 1.0f / s_row[(j / groups.group_n) * groups.stride_n];
-          q[j] = fp8::e4m3_bits_host(fp8::clamp_e4m3(static_cast<float>(x[j]) * inv_scale));
+          q[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(x[j]) * inv_scale));
         }
       }
     });
@@ -86,7 +86,7 @@ void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::T
         const scalar_t* x = in + r * in_rows.row_stride;
         uint8_t* q = out + r * out_rows.row_stride;
         for (int64_t j = 0; j < k; ++j) {
-          q[j] = fp8::e4m3_bits_host(fp8::clamp_e4m3(static_cast<float>(x[j]) * inv_scale));
+          q[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(x[j]) * inv_scale));
         }
       }
     });
@@ -121,7 +121,7 @@ void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& in
         const float s = fmaxf(a / fp8::kE4M3Max, fp8::kMinScale);
         scales[r] = s;
         for (int64_t j = 0; j < k; ++j) {
-          q[j] = fp8::e4m3_bits_host(fp8::clamp_e4m3(static_cast<float>(x[j]) / s));
+          q[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(x[j]) / s));
         }
       }
     });
@@ -156,7 +156,7 @@ void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,
           if (scale_ue8m0) s = fp8::ue8m0_round_up(s);
           scales[r * s_rows.row_stride + g * s_rows.col_stride] = s;
           for (int64_t j = 0; j < group_size; ++j) {
-            q[j] = fp8::e4m3_bits_host(fp8::clamp_range(static_cast<float>(x[j]) / s, lo, hi));
+            q[j] = fp8::e4m3_bits(fp8::clamp_range(static_cast<float>(x[j]) / s, lo, hi));
           }
         }
       }

@@ -4,11 +4,14 @@
 //     v = x * (1 / scale)   or   v = x / scale      (which one depends on the op)
 //     r = clamp(v)                                  (fminf/fmaxf: the order fixes where NaN goes)
 //     q = e4m3(r)                                   (round to nearest even)
-// with the same expressions on both devices. IEEE division, multiplication, fminf/fmaxf and
-// RNE conversion are exact operations, so the CPU and the GPU produce identical bytes.
-// The conversion never sees |r| > 448 or NaN, so saturation rules of the converter never matter:
-// c10's software converter (host) and the sm_89+ `cvt.rn.satfinite.e4m3x2.f32` (device) agree
-// on every input that reaches them.
+// with the same expressions on both devices. IEEE division, multiplication and fminf/fmaxf are
+// exact operations. e4m3() is torch's own conversion (c10's fp8e4m3fn_from_fp32_value, which
+// vLLM's kernels call too) written out for clamped values (e4m3_bits), the same code on both
+// devices for the quantization ops (static, dynamic, per-token, per-token-group): they produce
+// the bytes torch's cast `r.to(torch.float8_e4m3fn)` produces, on the CPU and the GPU alike.
+// silu_and_mul_quant's kernel and the GEMM epilogues convert with the hardware instruction
+// instead (e4m3_bits_hw, `cvt.rn.satfinite.e4m3x2.f32`, round to nearest even as well): there
+// the integer version made ptxas spill around the slow path of the SiLU's division.
 //
 // Include from .cpp and .cu files alike; device-only parts are guarded by __CUDACC__.
 #pragma once
@@ -55,12 +58,32 @@ HM_HOST_DEVICE float ue8m0_round_up(float s) {
   return bits_float((exponent + 1u) << 23);           // 2^(e+1); exponent 0xff gives inf
 }
 
-// Host conversion (c10's software RNE converter), returning the raw byte.
-inline uint8_t e4m3_bits_host(float r) { return c10::Float8_e4m3fn(r).x; }
+// torch's conversion (c10::detail::fp8e4m3fn_from_fp32_value) of a clamped value, |r| <= 448
+// and not NaN, returning the raw byte: the quantization ops on both devices. The same integer
+// and float arithmetic as c10's, without its NaN and overflow branches (a clamped value never
+// takes them; 448 itself is the code 0x7e). tests/test_quant.py compares it with torch's cast
+// at every rounding boundary between two codes (the midpoint and the floats next to it) and at
+// random values, on both devices.
+HM_HOST_DEVICE uint8_t e4m3_bits(float r) {
+  uint32_t bits = float_bits(r);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  // Below 2^-6 (e4m3's smallest normal): adding 2^14 leaves the subnormal code, rounded to
+  // nearest even by the float addition, in the low bits.
+  constexpr uint32_t kDenormMagic = 141u << 23;
+  const uint32_t subnormal =
+      float_bits(bits_float(bits) + bits_float(kDenormMagic)) - kDenormMagic;
+  // Otherwise: rebias the exponent (127 -> 7), round the mantissa to 3 bits, ties to even.
+  const uint32_t normal =
+      (bits + (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
+  const uint32_t code = bits < (121u << 23) ? subnormal : normal;  // both computed: no branch
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
 
 #ifdef __CUDACC__
-// Device conversion (hardware RNE converter), returning the raw byte.
-__device__ __forceinline__ uint8_t e4m3_bits(float r) {
+// The hardware converter (round to nearest even, saturating), returning the raw byte:
+// silu_and_mul_quant's kernel and the GEMM epilogues.
+__device__ __forceinline__ uint8_t e4m3_bits_hw(float r) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3));
 }
 

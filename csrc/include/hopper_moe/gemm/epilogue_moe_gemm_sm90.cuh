@@ -55,7 +55,7 @@ CUTLASS_DEVICE float store_act_row(const MoeGemmParams& p, int64_t at, int valid
     const float inv_scale = 1.0f / *p.out_scale;
     uint8_t q[8];
     CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) q[e] = fp8::e4m3_bits(fp8::clamp_e4m3(act[e] * inv_scale));
+    for (int e = 0; e < 8; ++e) q[e] = fp8::e4m3_bits_hw(fp8::clamp_e4m3(act[e] * inv_scale));
     uint8_t* dst = static_cast<uint8_t*>(p.out) + at;
     if (p.vector_out && valid >= 8) {
       uint2 packed;

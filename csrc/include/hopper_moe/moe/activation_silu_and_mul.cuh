@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kSiluThreads)
         const float v =
             silu_and_mul_value<T>(static_cast<float>(g.v[i]), static_cast<float>(x.v[i]));
         if constexpr (kQuant) {
-          o.v[i] = fp8::e4m3_bits(fp8::clamp_e4m3(__fmul_rn(v, inv_scale)));
+          o.v[i] = fp8::e4m3_bits_hw(fp8::clamp_e4m3(__fmul_rn(v, inv_scale)));
         } else {
           o.v[i] = static_cast<T>(v);
         }
