@@ -87,8 +87,9 @@ def warmup(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int =
     ``expert_map``, ``global_num_experts`` as ``fused_experts`` takes them) for calls of 1 to
     ``max_num_tokens`` tokens of ``dtype`` routed ``top_k`` ways with ``backend``: compiles
     every Triton kernel those calls reach (``threads`` workers, default min(8, CPUs)), then
-    runs the layer once per kernel class on random inputs. Synchronizes the device. Returns a
-    WarmupReport."""
+    runs the layer once per kernel class on random inputs. Synchronizes the device. On the CPU
+    it validates the arguments (one call of one token) and reports the classes without running
+    them: nothing there is compiled or sized per call. Returns a WarmupReport."""
     if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int) or \
             max_num_tokens < 1:
         _fail(f"max_num_tokens must be an int >= 1, got {max_num_tokens!r}")
@@ -127,6 +128,12 @@ def warmup(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int =
     report = WarmupReport()
     for (name, _), m in sorted(reps.items(), key=lambda kv: kv[1]):
         report.token_counts.setdefault(name, []).append(m)
+    if device.type == "cpu":
+        # Nothing to prepare on the CPU: no kernel is compiled (the torch backend is eager, the
+        # Triton interpreter compiles nothing) and no allocator or launch state depends on the
+        # size. The classes are reported; running them would only cost time (minutes for a
+        # DeepSeek-size layer up to vLLM's batch size).
+        return report
     before = _compiled_variants()
     start = time.perf_counter()
     triton_ms = report.token_counts.get("triton", [])
