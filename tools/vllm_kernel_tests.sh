@@ -157,7 +157,7 @@ if [ "$DEVICE" = cpu ] && [ "$ALL" = 0 ]; then
 fi
 status=0
 (cd "$SRC" && "$PY" -m pytest -p hopper_moe_vllm_shim -p no:cacheprovider -n "$WORKERS" \
-   -q -rfEs --tb=line --junitxml="$XML" -o junit_family=xunit1 \
+   -q -rfEs --tb=line --durations=20 --junitxml="$XML" -o junit_family=xunit1 \
    "${SELECTED[@]}" "${EXTRA[@]}") || status=$?
 end=$(date +%s)
 say "pytest exit status $status; tests in $((end - ready)) s, total $((end - start)) s"
