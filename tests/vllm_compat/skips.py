@@ -182,6 +182,8 @@ CPU_SKIPS = [
 # fp32 torch references take minutes to tens of minutes each on a CPU. They test nothing the
 # smaller cases of the same tests do not, except size, and they run on the GPU.
 GPU_SIZED = "GPU-sized case (minutes of CPU time per case); runs on the GPU and with --all"
+CPU_SLOW_FILE = ("file of about 30 minutes of CPU time on 2 cores (an fp32 reference per case); "
+                 "runs on the GPU and with --all")
 CPU_GPU_SIZED = [
     # test_fused_moe's (32768, 2048, 511) and (40000, 1024, 1024) shapes; the 2^31+ element test
     ("tests/kernels/moe/test_moe.py::*32768*", GPU_SIZED),
@@ -198,6 +200,10 @@ CPU_GPU_SIZED = [
     # CUTLASS MoE with 32768 / 65536 tokens
     ("tests/kernels/moe/test_cutlass_moe.py::*32768*", GPU_SIZED),
     ("tests/kernels/moe/test_cutlass_moe.py::*65536*", GPU_SIZED),
+    # ... and the rest of that file: with a build that has the CUDA kernels, its
+    # cutlass_group_gemm_supported(90) query answers True and the whole file runs on the CPU,
+    # about 30 minutes on 2 cores (a CPU-only build answers False and the file skips itself)
+    ("tests/kernels/moe/test_cutlass_moe.py::*", CPU_SLOW_FILE),
 ]
 
 # test_act_and_mul is parametrized over activations; only the SiLU ones are hopper_moe's.
