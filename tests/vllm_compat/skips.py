@@ -197,12 +197,10 @@ CPU_GPU_SIZED = [
     # in fp32, and the reference's block matmul loops 72 x 56 tiles per expert); the same test
     # with N = 128 and 1024 at K = 7168 still runs
     ("tests/kernels/moe/test_block_fp8.py::test_w8a8_block_fp8_fused_moe[*-4608-7168]", GPU_SIZED),
-    # CUTLASS MoE with 32768 / 65536 tokens
-    ("tests/kernels/moe/test_cutlass_moe.py::*32768*", GPU_SIZED),
-    ("tests/kernels/moe/test_cutlass_moe.py::*65536*", GPU_SIZED),
-    # ... and the rest of that file: with a build that has the CUDA kernels, its
-    # cutlass_group_gemm_supported(90) query answers True and the whole file runs on the CPU,
-    # about 30 minutes on 2 cores (a CPU-only build answers False and the file skips itself)
+    # The CUTLASS MoE file (its 32768 / 65536-token cases included): with a build that has the
+    # CUDA kernels, its cutlass_group_gemm_supported(90) query answers True and the whole file
+    # runs on the CPU, about 30 minutes on 2 cores (a CPU-only build answers False and the file
+    # skips itself)
     ("tests/kernels/moe/test_cutlass_moe.py::*", CPU_SLOW_FILE),
 ]
 
