@@ -80,3 +80,20 @@ def test_weight_scale_shapes(scheme):
         assert flat.is_contiguous() and flat.dtype == torch.float32
         assert flat.shape == ((E, 2 * N) if scheme == "fp8_channel" else (E,))
         assert torch.equal(flat.reshape(view.shape), view)
+
+
+def test_local_expert_map_cached_refreshed_and_inference_tensors():
+    """Entries outside [0, num_local) become -1; the result is cached per map, remade after an
+    in-place change, and an inference-mode map (no version counter) is computed each call
+    (vLLM's tests call fused_experts under torch.inference_mode with an expert_map)."""
+    emap = torch.tensor([0, 5, -1, 2, 1], dtype=torch.int32)
+    local = prepare.local_expert_map(emap, 3)
+    assert local.tolist() == [0, -1, -1, 2, 1] and local.dtype == emap.dtype
+    assert prepare.local_expert_map(emap, 3) is local  # cached
+    emap[0] = 7
+    assert prepare.local_expert_map(emap, 3).tolist() == [-1, -1, -1, 2, 1]
+    with torch.inference_mode():
+        imap = torch.tensor([1, 3, 0], dtype=torch.int64)
+        assert prepare.local_expert_map(imap, 2).tolist() == [1, -1, 0]
+        imap[1] = 1
+        assert prepare.local_expert_map(imap, 2).tolist() == [1, 1, 0]

@@ -200,9 +200,11 @@ _LOCAL_MAPS = WeakTensorKeyDictionary()
 def local_expert_map(expert_map: torch.Tensor, num_local: int) -> torch.Tensor:
     """expert_map with every entry outside [0, num_local) set to -1 (a non-local expert), in
     expert_map's dtype: kernels that index the local weights with a mapped id need no bound.
-    Made once per map (and again after an in-place change of it); under torch.compile or a
-    CUDA graph capture it is computed in place of the cache."""
-    cacheable = not torch.compiler.is_compiling() and not (
+    Made once per map (and again after an in-place change of it); under torch.compile, a CUDA
+    graph capture or for an inference-mode tensor it is computed in place of the cache."""
+    # An inference tensor has no version counter: an in-place change could not be seen, so
+    # its map is computed on every call.
+    cacheable = not torch.compiler.is_compiling() and not expert_map.is_inference() and not (
         expert_map.is_cuda and torch.cuda.is_current_stream_capturing())
     if cacheable:
         hit = _LOCAL_MAPS.get(expert_map)
