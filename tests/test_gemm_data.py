@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import gpu, poison, seeded
+from conftest import DEVICES, gpu, poison, seeded
 
 import hopper_moe
 from hopper_moe import reference as ref
@@ -79,7 +79,7 @@ def check_invariants(topk_ids, num_experts, n, k, is_gated, outs):
     by_expert = torch.sort(ids[slots], stable=True).indices
     assert torch.equal(rows[by_expert], torch.arange(total))
     assert (out_perm[~valid] == total).all()
-    assert (in_perm[total:] == 0).all()
+    assert (in_perm[total:] == -1).all()  # no row: shuffle_rows writes zeros there
 
 
 CASES = [  # (T, K, E)
@@ -122,7 +122,7 @@ def test_worked_example():
     offsets, ps1, ps2, in_perm, out_perm = run_data(ids, 3, 8, 16)
     assert offsets.tolist() == [0, 2, 3, 6]
     # expert 0: slots 0, 5 (tokens 0, 2); expert 1: slot 2 (token 1); expert 2: slots 1, 4, 7.
-    assert in_perm.tolist() == [0, 2, 1, 0, 2, 3, 0, 0]
+    assert in_perm.tolist() == [0, 2, 1, 0, 2, 3, -1, -1]
     assert out_perm.tolist() == [0, 3, 2, 6, 4, 1, 6, 5]
     assert ps1.tolist() == [[16, 2, 16], [16, 1, 16], [16, 3, 16]]  # 8 slots: swapped
     assert ps2.tolist() == [[16, 2, 8], [16, 1, 8], [16, 3, 8]]
@@ -228,6 +228,25 @@ def test_sizes_from_offsets_cpu_matches_reference(swap_ab):
             assert torch.equal(got[0][:, col], m) and torch.equal(got[1][:, col], m)
             assert got[0][:, 1 - col].eq(640).all() and got[0][:, 2].eq(4096).all()
             assert got[1][:, 1 - col].eq(4096).all() and got[1][:, 2].eq(320).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mm_data_padding_rows_shuffle_to_zero(device):
+    """vLLM 0.33's test_cutlass_moe_permutation_maps_padding_to_zero: rows past the counted
+    slots hold -1 in input_permutation, so shuffle_rows gives zero rows there, and a skipped
+    slot's output_permutation (expert_offsets[E]) reads such a zero row back."""
+    ids = torch.tensor([[0, -1], [1, 2]], dtype=torch.int32)  # two counted, two skipped slots
+    offsets, _, _, in_perm, out_perm = run_data(ids, 2, 128, 128, device=device)
+    assert in_perm.tolist() == [0, 1, -1, -1] and out_perm.tolist() == [0, 2, 1, 2]
+    x = torch.randn(2, 128, generator=seeded(5)).to(torch.bfloat16).to(device)
+    permuted = poison(torch.empty(4, 128, dtype=x.dtype, device=device))
+    torch.ops.hopper_moe.shuffle_rows(x, in_perm.to(device), permuted)
+    restored = poison(torch.empty(4, 128, dtype=x.dtype, device=device))
+    torch.ops.hopper_moe.shuffle_rows(permuted, out_perm.to(device), restored)
+    zero = torch.zeros(128, dtype=x.dtype, device=device)
+    assert torch.equal(permuted[:2], x) and torch.equal(permuted[2], zero)
+    assert torch.equal(permuted[3], zero)
+    assert [torch.equal(r, w) for r, w in zip(restored, (x[0], zero, x[1], zero))] == [True] * 4
 
 
 def test_sizes_from_offsets_match_mm_data():

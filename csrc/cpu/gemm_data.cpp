@@ -12,8 +12,8 @@
 //   input_permutation[p]  for p < expert_offsets[E]: the token (i / K) of the slot placed at
 //                           row p, slots grouped by expert in increasing e and, within one
 //                           expert, in increasing slot index i (a stable sort); rows p >=
-//                           expert_offsets[E] hold 0, so gathering with the whole permutation
-//                           stays in bounds;
+//                           expert_offsets[E] hold -1 (vLLM 0.33: no row, so shuffle_rows
+//                           writes a zero row there);
 //   output_permutation[i] = the row p of slot i, or expert_offsets[E] (one past the last GEMM
 //                           row: vLLM's "reads a zero row") for a slot that does not count;
 //   problem_sizes1[e]     = (m_e, N1, k) with N1 = 2n if is_gated else n; problem_sizes2[e] =
@@ -81,7 +81,7 @@ void moe_mm_data_loops(const id_t* ids, int64_t num_slots, int64_t top_k, int64_
       out_perm[i] = static_cast<int32_t>(total);
     }
   }
-  std::fill(in_perm + total, in_perm + num_slots, 0);
+  std::fill(in_perm + total, in_perm + num_slots, -1);
 }
 
 template <typename id_t>

@@ -36,8 +36,8 @@ def get_cutlass_moe_mm_data(topk_ids: torch.Tensor, num_experts: int, n: int, k:
 
     A slot i (row-major index into topk_ids) counts iff 0 <= id < num_experts. Counting slots are
     grouped by expert (ascending) and, within an expert, kept in slot order. expert_offsets[e]
-    is where expert e's rows start; input_permutation[p] is the token of the slot at row p (0 for
-    rows past the counting slots); output_permutation[i] is the row of slot i, or
+    is where expert e's rows start; input_permutation[p] is the token of the slot at row p (-1 for
+    rows past the counting slots: shuffle_rows writes zero rows there); output_permutation[i] is the row of slot i, or
     expert_offsets[E] for a slot that does not count. Problem sizes are swapped (N, M, K) when
     topk_ids.numel() <= SWAP_AB_MAX_SLOTS."""
     device = topk_ids.device
@@ -54,7 +54,7 @@ def get_cutlass_moe_mm_data(topk_ids: torch.Tensor, num_experts: int, n: int, k:
     # A stable sort by expert (skipped slots last) gives every slot its row.
     key = torch.where(counts, ids, torch.full_like(ids, num_experts))
     order = torch.sort(key, stable=True).indices  # order[p] = slot placed at row p
-    input_permutation = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    input_permutation = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
     input_permutation[:total] = (order[:total] // max(top_k, 1)).to(torch.int32)
     output_permutation = torch.full((num_slots,), total, dtype=torch.int32, device=device)
     output_permutation[order[:total]] = torch.arange(total, dtype=torch.int32, device=device)

@@ -10,7 +10,8 @@
 //      sorted keys < e (a binary search), m_e = offsets[e+1] - offsets[e], problem sizes.
 //   4. write_permutations: one thread per sorted row p: the slot i sorted to p gives
 //      input_permutation[p] = i / K and output_permutation[i] = p; rows p >= total (skipped
-//      slots) give input_permutation[p] = 0 and output_permutation[i] = total.
+//      slots) give input_permutation[p] = -1 (no row: shuffle_rows writes zeros there) and
+//      output_permutation[i] = total.
 // Nothing reads data back to the host, and every buffer size depends only on S and E, so the op
 // can be captured in a CUDA graph.
 #pragma once
@@ -108,7 +109,7 @@ __global__ void write_permutations(const uint32_t* __restrict__ sorted_keys,
       input_permutation[p] = static_cast<int32_t>(slot / top_k);
       output_permutation[slot] = static_cast<int32_t>(p);
     } else {
-      input_permutation[p] = 0;
+      input_permutation[p] = -1;
       output_permutation[slot] = static_cast<int32_t>(total);
     }
   }
