@@ -200,6 +200,42 @@ def test_gemm1_silu_epilogue(swap_ab, out):
         assert scale.item() == max((stored_amax / FP8_MAX).item(), FP8_MIN_SCALE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemm1_silu_epilogue_rounds_as_vllm_stores(dtype):
+    """round_dtype: the epilogue rounds gate and up (GEMM1's output), silu(gate) and the
+    product to the layer's 16-bit dtype, as vLLM's unfused pipeline (GEMM1 -> silu_and_mul)
+    stores them, so an FP8 requantization afterwards sees vLLM's values. Against that
+    rounding order: equal but for accumulation-order ties (a few elements one ulp apart);
+    the fp32 product rounded once differs in many more elements."""
+    from hopper_moe.backends.triton import Routing, invoke_moe_gemm
+
+    g = seeded(23)
+    E, topk, H, I, M = 2, 2, 64, 64, 16
+    x = torch.randn(M, H, generator=g).to(dtype)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    ids = (torch.arange(M * topk, dtype=torch.int32) % E).reshape(M, topk)
+    x, w1, ids = x.to(DEVICE), w1.to(DEVICE), ids.to(DEVICE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, SWAP_AB=False, num_warps=4,
+               num_stages=2)
+    routing = Routing(ids, None, E, cfg["BLOCK_M"], aligned=True)
+    act = torch.full((M * topk, I), float("nan"), dtype=dtype, device=DEVICE)
+    invoke_moe_gemm(x, w1, act, None, (0, 0), None, None, routing, topk, M * topk, None, False,
+                    cfg, fuse_silu=True, round_dtype=dtype)
+    flat = ids.reshape(-1).long().cpu()
+    h = torch.stack([x[s // topk].float().cpu() @ w1[flat[s]].float().cpu().t()
+                     for s in range(M * topk)])
+    gate, up = h[:, :I].to(dtype).float(), h[:, I:].to(dtype).float()
+    silu = torch.nn.functional.silu(gate).to(dtype).float()
+    vllm_order = (silu * up).to(dtype).float()
+    fp32_once = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]).to(dtype).float()
+    got = act.float().cpu()
+    ulp = got.abs().clamp_min(2.0 ** -14) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
+    assert ((got - vllm_order).abs() <= 1.01 * ulp).all()
+    differ_vllm = (got != vllm_order).float().mean().item()
+    differ_fp32 = (got != fp32_once).float().mean().item()
+    assert differ_vllm < 0.01 and differ_vllm < differ_fp32 / 4, (differ_vllm, differ_fp32)
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_tensor_static", "fp8_channel"])
 def test_stage_hook_reports_every_stage_in_order(scheme):
     """fused_experts_triton(stage_done=...) names each stage once, in launch order, and the

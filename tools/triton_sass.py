@@ -62,7 +62,8 @@ def signature(args) -> tuple[dict, dict, dict]:
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, ONE_SLOT_PER_BLOCK=False,
                  HAS_EXPERT_MAP=False, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
                  FUSE_SILU=args.fuse_silu, OUT_FP8=args.fp8_out,
-                 AMAX_OUT=args.fuse_silu and args.amax, INTERPRETER=False)
+                 AMAX_OUT=args.fuse_silu and args.amax,
+                 ACT_ROUND=1 if args.fuse_silu else 0, INTERPRETER=False)
     sig, attrs = {}, {}
     for i, name in enumerate(moe_gemm_kernel.arg_names):
         if name in ptrs:

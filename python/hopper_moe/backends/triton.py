@@ -24,6 +24,7 @@ __all__ = ["Routing", "fused_experts_triton", "invoke_moe_gemm", "is_available",
            "run"]
 
 _QUANT_NONE, _QUANT_TENSOR, _QUANT_CHANNEL, _QUANT_BLOCK = 0, 1, 2, 3
+_ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}  # the kernel's ACT_ROUND
 
 # Looked up once: fused_experts asks on every call, also while torch.compile traces it, and
 # Dynamo does not trace importlib (it breaks the graph there).
@@ -114,12 +115,15 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
                     top_k: int, num_slots: int, quant, mul_routed_weight: bool,
                     config: dict, fuse_silu: bool = False,
                     out_scale: torch.Tensor | None = None, amax_out: bool = False,
+                    round_dtype: torch.dtype | None = None,
                     compile_only: bool = False) -> None:
     """C[slot] = A[slot // top_k] . B[expert]^T for every slot the routing places.
 
     fuse_silu (GEMM1): C[slot] = silu(gate) * up of that product, [slots, N / 2]; an FP8 C is
     quantized with the static scale out_scale; amax_out: C stays bf16 and out_scale (set to
     the dynamic scale's floor by the caller) receives max(out_scale, amax(C) / 448).
+    round_dtype (fuse_silu; bf16 or fp16): gate, up, silu(gate) and the product are rounded
+    to it as vLLM's unfused pipeline stores them (GEMM1 output, silu_and_mul); None: fp32.
     compile_only: compile the kernel these arguments need (Triton's warmup), launch nothing."""
     n, k = b.shape[1], b.shape[2]
     mode = _quant_mode(quant)
@@ -156,6 +160,7 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
         not routing.aligned, routing.expert_map is not None,
         k % config["BLOCK_K"] == 0, n % config["BLOCK_N"] == 0,
         fuse_silu, fuse_silu and c.dtype == ops.FP8_DTYPE, amax_out,
+        _ROUND_CODES.get(round_dtype, 0) if fuse_silu else 0,
         settings.TRITON_INTERPRET,
     )
     scalars = static[:2] + (num_slots, routing.sorted_ids.numel()) + static[2:]
@@ -175,14 +180,12 @@ def _launcher():
 
 def precision(quant, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Storage precision of this layer for hidden states of `dtype`, as
-    `reference.fused_experts_ref` keywords: GEMM1's output is never stored (SiLU*mul in its
-    epilogue); the SiLU*mul output is stored in `dtype`, except with a static a2 scale, where
-    the epilogue quantizes it straight to FP8; GEMM2's output is stored in `dtype` before the
-    top-k sum (fp32 storage rounds nothing)."""
+    `reference.fused_experts_ref` keywords: vLLM's unfused pipeline's. GEMM1's epilogue rounds
+    its output, silu(gate) and the SiLU*mul product to `dtype` as that pipeline stores them
+    (also before a static-scale FP8 quantization in the same epilogue); GEMM2's output is
+    stored in `dtype` before the top-k sum (fp32 storage rounds nothing)."""
     store = None if dtype == torch.float32 else dtype
-    static_a2 = prepare.gemm2_input(quant) == prepare.STATIC_TENSOR
-    return dict(intermediate_dtype=store, gemm1_dtype=None,
-                act_dtype=None if static_a2 else store)
+    return dict(intermediate_dtype=store, silu_dtype=store)
 
 
 _IDENTITY_MAPS: dict[tuple, torch.Tensor] = {}
@@ -268,7 +271,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     invoke_moe_gemm(a1, w1, act, a1_s, a1_st, None if mode == _QUANT_NONE else quant.w1_scale,
                     topk_weights, routing, top_k, num_slots, quant, False, cfg, fuse_silu=True,
                     out_scale=act_scale, amax_out=kind == prepare.DYNAMIC_TENSOR,
-                    compile_only=compile_only)
+                    round_dtype=out_dtype, compile_only=compile_only)
     mark("gemm1")
     if prepare.gemm1_writes_gemm2_input(quant):
         a2, a2_s, a2_st = act, act_scale, (0, 0)

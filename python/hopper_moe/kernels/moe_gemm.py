@@ -30,7 +30,10 @@ GEMM1 output: per slot and bf16 that is 8I bytes less HBM traffic (4I written an
 and the SiLU*mul pass's own 2I written, against the 2I this C takes) and one launch fewer. OUT_FP8 quantizes the result with a static scale (out_scale, as
 x * (1 / s)); AMAX_OUT atomically maxes amax / 448 of the stored values into out_scale, which
 the caller initialized to the dynamic scale's floor: out_scale then is the dynamic per-tensor
-scale of C, so the quantization of C needs no amax pass of its own.
+scale of C, so the quantization of C needs no amax pass of its own. ACT_ROUND (1 bf16, 2 fp16,
+0 none) rounds as vLLM's unfused pipeline stores: gate and up (GEMM1's output), silu(gate),
+and the product, each to the layer's 16-bit dtype; an FP8 requantization would otherwise turn
+those sub-ulp differences into whole fp8 steps against vLLM's results.
 
 INTERPRETER is set only under TRITON_INTERPRET=1. The CPU interpreter (Triton 3.8) computes a
 bf16 tl.dot wrongly and converts fp32 to bf16 by truncation, so there the operands are widened
@@ -90,6 +93,7 @@ def moe_gemm_kernel(
     FUSE_SILU: tl.constexpr,
     OUT_FP8: tl.constexpr,
     AMAX_OUT: tl.constexpr,
+    ACT_ROUND: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
@@ -263,7 +267,15 @@ def moe_gemm_kernel(
         if SWAP_AB:
             acc = tl.trans(acc)  # (BLOCK_M, BLOCK_N): tokens by rows again
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        act = gate / (1.0 + tl.exp(-gate)) * up
+        if ACT_ROUND == 0:
+            act = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            # vLLM's unfused order: GEMM1's output stored in the layer's 16-bit dtype, then
+            # silu_and_mul: silu rounded to that dtype, times up, rounded again.
+            gate = _round_to(gate, ACT_ROUND, INTERPRETER)
+            up = _round_to(up, ACT_ROUND, INTERPRETER)
+            silu = _round_to(gate / (1.0 + tl.exp(-gate)), ACT_ROUND, INTERPRETER)
+            act = _round_to(silu * up, ACT_ROUND, INTERPRETER)
         if OUT_FP8:
             inv_scale = tl.math.div_rn(1.0, tl.load(out_scale_ptr))
             q = tl.minimum(tl.maximum(act * inv_scale, -FP8_MAX), FP8_MAX)
@@ -282,6 +294,19 @@ def moe_gemm_kernel(
         if INTERPRETER:
             acc = _round_to_bf16(acc, c_ptr.dtype.element_ty)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _round_to(v, code: tl.constexpr, INTERPRETER: tl.constexpr):
+    """fp32 v rounded to nearest even in bf16 (code 1) or fp16 (code 2), back in fp32."""
+    if code == 1:
+        if INTERPRETER:
+            v = _round_to_bf16(v, tl.bfloat16)
+        else:
+            v = v.to(tl.bfloat16).to(tl.float32)
+    else:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
 
 
 @triton.jit
