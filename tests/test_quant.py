@@ -321,16 +321,17 @@ def test_conversion_is_torchs_cast_at_every_rounding_boundary(device):
 def test_per_token_group_matches_torch_on_uniform_input(device, m, k, group_size):
     """vLLM's test_per_token_group_quant_fp8 case: torch.rand bf16 input (on CUDA its values
     reach far below 2^-8, so x / s lands in e4m3's subnormal range), against torch's own
-    expression on the same device: amax / 448, x / s, clamp, cast. Bit-exact (the ops promise
-    the same fp32 expressions and round-to-nearest-even cast as torch)."""
+    expression on the same device: amax * (1 / 448) (what torch computes on CUDA for vLLM's
+    `amax / fp8_max`), x / s, clamp, cast. Bit-exact (the ops promise the same fp32 expressions
+    and round-to-nearest-even cast as torch)."""
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.rand(m, k, dtype=torch.bfloat16, device=device, generator=g)
     tiny = x.view(-1)[::997]  # every binade from 2^-8 down to 2^-47
     tiny.copy_(torch.exp2(-8.0 - torch.arange(tiny.numel(), device=device) % 40))
     groups = x.reshape(-1, group_size)
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10).float()
-    # A tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal
-    s_ref = amax / torch.full_like(amax, 448.0)
+    # The fp32 reciprocal, as torch on CUDA divides by a Python scalar (on every device here)
+    s_ref = amax * (torch.ones_like(amax) / torch.full_like(amax, 448.0))
     q_ref = (groups / s_ref).clamp(-448.0, 448.0).to(FP8).reshape(m, k)
     q, s = fp8_empty((m, k), device), f32_empty((m, k // group_size), device)
     ops.per_token_group_fp8_quant(x, q, s, group_size, 1e-10, -448.0, 448.0, False, False, False)
@@ -340,6 +341,23 @@ def test_per_token_group_matches_torch_on_uniform_input(device, m, k, group_size
     examples = [(x[r, c].item(), (x[r, c].float() / s_rows[r, c // group_size]).item(),
                  q[r, c].float().item(), q_ref[r, c].float().item()) for r, c in diff[:8].tolist()]
     assert diff.numel() == 0, f"{diff.shape[0]} codes differ; (x, x / s, got, torch): {examples}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_token_group_scale_is_amax_times_reciprocal(device):
+    """The H200 case behind vLLM's 2050-token test_per_token_group_quant_fp8 failures: with
+    amax = 0.99609375, amax / 448 and amax * (1 / 448) are one fp32 ulp apart, and
+    x = 1.5199e-05 then lands on either side of the e4m3 tie 3.5 * 2^-9. vLLM's result
+    (its test's reference on CUDA) is the reciprocal's: scale 0.0022234236..., q = 3 * 2^-9."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    x[0, 0], x[0, 5] = 0.99609375, 1.519918441772461e-05
+    x = x.to(device)
+    q, s = fp8_empty((1, 64), device), f32_empty((1, 1), device)
+    ops.per_token_group_fp8_quant(x, q, s, 64, 1e-10, -448.0, 448.0, False, False, False)
+    assert s.item() == 0.002223423682153225
+    assert q[0, 5].float().item() == 0.005859375 and q[0, 0].float().item() == 448.0
+    q_ref, s_ref = ref.per_token_group_fp8_quant_ref(x.cpu(), 64)
+    assert bytes_equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
 
 
 def test_per_token_group_eps_range_nan_and_zero():

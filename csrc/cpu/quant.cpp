@@ -8,7 +8,7 @@
 //   dynamic_per_token_...        per row: a = amax(|row|), a = min(a, scale_ub) when given,
 //                                s = max(a / 448, 1/(448*512));  q = e4m3(clamp_e4m3(x / s))
 //   per_token_group_fp8_quant    per group of group_size columns: a = max(eps, amax(|group|)),
-//                                s = a / fp8_max, s = 2^ceil(log2(max(s, 1e-10))) if ue8m0;
+//                                s = a * (1 / fp8_max), s = 2^ceil(log2(max(s, 1e-10))) if ue8m0;
 //                                q = e4m3(clamp_range(x / s, fp8_min, fp8_max))
 //
 // amax folds with fmaxf from 0 (eps for groups), so NaN elements are ignored by the scale;
@@ -152,7 +152,7 @@ void per_token_group_fp8_quant(const at::Tensor& input, at::Tensor& output_q,
         for (int64_t g = 0; g < groups_per_row; ++g) {
           const scalar_t* x = in + r * in_rows.row_stride + g * group_size;
           uint8_t* q = out + r * q_rows.row_stride + g * group_size;
-          float s = row_amax(x, group_size, eps_f) / hi;
+          float s = fp8::group_scale(row_amax(x, group_size, eps_f), hi);
           if (scale_ue8m0) s = fp8::ue8m0_round_up(s);
           scales[r * s_rows.row_stride + g * s_rows.col_stride] = s;
           for (int64_t j = 0; j < group_size; ++j) {

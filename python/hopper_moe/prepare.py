@@ -36,7 +36,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops
-from .quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, QuantConfig
+from .quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig
 
 __all__ = [
     "DYNAMIC_TENSOR",
@@ -89,7 +89,7 @@ class _NativeQuant:
     def per_group(x: torch.Tensor, group: int):
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) / FP8_MAX
+        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * GROUP_INV_MAX
         q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(rows, cols), scale.reshape(rows, cols // group)
 

@@ -17,7 +17,8 @@ Schemes (``QuantConfig.scheme``):
 
 Quantization rule everywhere (kernels, reference, PyTorch path): ``q = fp8(clamp(x / scale,
 -448, 448))``; a dynamic per-tensor or per-token scale is ``max(amax / 448, 1 / (448 * 512))``;
-a per-token-group scale is ``max(amax, 1e-10) / 448``.
+a per-token-group scale is ``max(amax, 1e-10) * (1 / 448)`` (the fp32 reciprocal, as vLLM on
+CUDA: ``GROUP_INV_MAX``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ __all__ = [
     "FP8_MAX",
     "FP8_MIN_SCALE",
     "GROUP_EPS",
+    "GROUP_INV_MAX",
     "QuantConfig",
     "make_quant_config",
     "quantize_weights_fp8",
@@ -43,6 +45,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # hopper_moe.reference use these); the kernels' own are fp8::kMinScale and the group ops' eps.
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # floor of dynamic per-tensor / per-token scales
 GROUP_EPS = 1e-10  # floor of a per-token-group amax
+# fp32 1 / 448 as a Python float (exact in fp32): a per-token-group scale is amax times it.
+GROUP_INV_MAX = float(torch.tensor(1.0, device="cpu") / torch.tensor(448.0, device="cpu"))
 
 _SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block")
 

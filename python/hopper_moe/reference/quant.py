@@ -134,7 +134,9 @@ def per_token_group_fp8_quant_ref(input: torch.Tensor, group_size: int, eps: flo
     x = _rows(input).float().reshape(-1, groups, group_size)
     eps_f32 = torch.tensor(eps, dtype=torch.float32).item()
     amax = torch.clamp(_abs_ignoring_nan(x).amax(dim=2, keepdim=True), min=eps_f32)
-    s = amax / torch.tensor(fp8_max, dtype=torch.float32)
+    # amax times the fp32 reciprocal of fp8_max (vLLM's result on CUDA; see fp8.cuh group_scale)
+    s = amax * (torch.tensor(1.0, device="cpu") / torch.tensor(fp8_max, dtype=torch.float32,
+                                                              device="cpu")).item()
     if scale_ue8m0:
         s = ue8m0_round_up_ref(s)
     lo = torch.tensor(fp8_min, dtype=torch.float32).item()

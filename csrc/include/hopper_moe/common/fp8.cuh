@@ -47,6 +47,18 @@ HM_HOST_DEVICE float clamp_e4m3(float v) { return fmaxf(-kE4M3Max, fminf(v, kE4M
 // maps to lo (fp8_min).
 HM_HOST_DEVICE float clamp_range(float v, float lo, float hi) { return fminf(fmaxf(v, lo), hi); }
 
+// Scale of one per_token_group_fp8_quant group: amax times the fp32 reciprocal of fp8_max,
+// both products rounded to nearest. This is vLLM's result on CUDA (its test computes
+// amax / fp8_max as torch does on CUDA for a Python divisor: a multiply by the reciprocal);
+// a true division can differ by one ulp, enough to flip x / s across an e4m3 rounding tie.
+HM_HOST_DEVICE float group_scale(float amax, float fp8_max) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(amax, __fdiv_rn(1.0f, fp8_max));
+#else
+  return amax * (1.0f / fp8_max);
+#endif
+}
+
 // Smallest power of two >= max(s, 1e-10) for finite s >= 0, computed exactly from the bits
 // (the UE8M0 scale format stores only an exponent). inf stays inf.
 HM_HOST_DEVICE float ue8m0_round_up(float s) {

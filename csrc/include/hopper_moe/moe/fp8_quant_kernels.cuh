@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   }
 }
 
-// Per group of group_size columns: s = max(eps, amax) / hi, rounded up to a power of two when
+// Per group of group_size columns: s = max(eps, amax) * (1 / hi) (fp8::group_scale), rounded up to a power of two when
 // kUe8m0; scales[row * s_rs + group * s_cs] = s; q = e4m3(clamp_range(x / s, lo, hi)).
 template <typename T, bool kVec, bool kUe8m0>
 __global__ void __launch_bounds__(kQuantThreads)
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kQuantThreads)
     for (int offset = kGroupLanes / 2; offset > 0; offset >>= 1) {
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
     }
-    float s = a / hi;
+    float s = fp8::group_scale(a, hi);
     if constexpr (kUe8m0) s = fp8::ue8m0_round_up(s);
     if (active) {
       if (lane == 0) scales[row * s_rs + col_group * s_cs] = s;
