@@ -10,12 +10,21 @@ during the sequence.
 
 The pass criterion the project holds itself to: 0 kernels compiled after warmup and no first
 call above 1.5x its steady state. Every first call is a new process-level M (no M repeats).
+
+The control: before each new M (from the second on), one call at the previous M, which has
+run before, with routing drawn anew and timed exactly as a first call (synchronized GPU, the
+same bookkeeping before it), against that M's steady state. A first-call excess that the
+control shows too belongs to the call's position (caches cold after the synchronization and
+the routing draw, a garbage collection), not to the token count being new. --gc freeze
+moves every object alive after warmup out of the collector's generations (gc.freeze(), as
+serving engines do after start-up), --gc off disables collection during the sequence.
 Results: <out>/<gpu>_<tag>.md and .json. Without a GPU it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import random
@@ -43,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(C.REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--tag", default="warmup")
+    p.add_argument("--gc", default="on", choices=["on", "freeze", "off"],
+                   help="Python's garbage collector during the sequence (see the docstring)")
     p.add_argument("--profile", action="store_true",
                    help="cProfile every first call and one steady call per M; print the "
                         "functions whose time per call differs most between them")
@@ -62,24 +73,38 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
     rng = random.Random(args.seed)
     ms = rng.sample(range(1, args.max_m + 1), args.n)
     before = _compiled_variants()
+    if args.gc == "freeze":
+        gc.collect()
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     rows = []
     prof_first, prof_steady = cProfile.Profile(), cProfile.Profile()
+
+    def once(xm, tw, ti):
+        """(host ms until fused_experts returned, wall ms until the GPU finished)"""
+        t = time.perf_counter()
+        hm.fused_experts(xm, w1, w2, tw, ti, quant=quant, backend=args.backend)
+        h = time.perf_counter()
+        torch.cuda.synchronize()
+        return (h - t) * 1e3, (time.perf_counter() - t) * 1e3
+
     for i, m in enumerate(ms):
+        control = None
+        if rows:  # the previous M again, routed anew, timed like a first call
+            prev = rows[-1]
+            _, cw, ci = C.routing(prev["M"], shape.num_experts, shape.top_k, device,
+                                  seed=args.seed + 100_000 + i)
+            torch.cuda.synchronize()
+            torch.cuda.memory_stats()
+            control = once(x[:prev["M"]], cw, ci)
         _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, device, seed=args.seed + i)
         xm = x[:m]
-
-        def once():
-            """(host ms until fused_experts returned, wall ms until the GPU finished)"""
-            t = time.perf_counter()
-            hm.fused_experts(xm, w1, w2, tw, ti, quant=quant, backend=args.backend)
-            h = time.perf_counter()
-            torch.cuda.synchronize()
-            return (h - t) * 1e3, (time.perf_counter() - t) * 1e3
         torch.cuda.synchronize()
         allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
         if args.profile:
             prof_first.enable()
-        first_host, first = once()
+        first_host, first = once(xm, tw, ti)
         if args.profile:
             prof_first.disable()
         # cudaMalloc calls the caching allocator made during the first call (a size class the
@@ -87,15 +112,21 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
         allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
         if args.profile:
             prof_steady.enable()
-            once()
+            once(xm, tw, ti)
             prof_steady.disable()
-        steady = [once() for _ in range(args.reps)]
+        steady = [once(xm, tw, ti) for _ in range(args.reps)]
         s = statistics.median(w for _, w in steady)
         rows.append(dict(M=m, first_ms=first, steady_ms=s, ratio=first / s,
                          first_host_ms=first_host,
                          steady_host_ms=statistics.median(h for h, _ in steady),
-                         device_allocs=allocs))
+                         device_allocs=allocs,
+                         control_M=None if control is None else rows[-1]["M"],
+                         control_ms=None if control is None else control[1],
+                         control_ratio=None if control is None
+                         else control[1] / rows[-1]["steady_ms"]))
     after = _compiled_variants()
+    gc.enable()
+    gc.unfreeze()
     if args.profile:
         print_profile_difference(scheme, prof_first, prof_steady, len(ms))
     worst = max(rows, key=lambda r: r["ratio"])
@@ -107,7 +138,11 @@ def one_scheme(hm, shape: C.MoEShape, scheme: str, args, device) -> dict[str, An
                 over_limit=sum(r["ratio"] > LIMIT for r in rows),
                 first_median_ms=statistics.median(r["first_ms"] for r in rows),
                 calls_with_alloc=sum(r["device_allocs"] > 0 for r in rows),
-                rows=rows)
+                control_over_limit=sum(r["control_ratio"] is not None
+                                       and r["control_ratio"] > LIMIT for r in rows),
+                control_worst=max((r["control_ratio"] for r in rows
+                                   if r["control_ratio"] is not None), default=None),
+                gc=args.gc, rows=rows)
 
 
 def print_profile_difference(scheme: str, first, steady, calls: int, top: int = 15) -> None:
@@ -124,7 +159,8 @@ def print_profile_difference(scheme: str, first, steady, calls: int, top: int = 
 
 HEADERS = ["scheme", "warmup s (compile + run)", "kernels compiled by warmup",
            "classes per backend", "calls", "kernels compiled after", "worst first/steady",
-           f"calls > {LIMIT}x", "first-call median ms", "first calls with a cudaMalloc"]
+           f"calls > {LIMIT}x", "first-call median ms", "first calls with a cudaMalloc",
+           f"control calls > {LIMIT}x (worst)", "gc"]
 
 
 def cells(r: dict[str, Any], n: int) -> list[str]:
@@ -132,7 +168,8 @@ def cells(r: dict[str, Any], n: int) -> list[str]:
             f"{r['warmup_run_s']:.1f})", C.fmt(r["warmup_kernels"], "d"),
             ", ".join(f"{k} {v}" for k, v in r["classes"].items()), str(n),
             C.fmt(r["compiled_after"], "d"), f"{r['worst_ratio']:.2f} (M = {r['worst_m']})",
-            str(r["over_limit"]), f"{r['first_median_ms']:.3f}", str(r["calls_with_alloc"])]
+            str(r["over_limit"]), f"{r['first_median_ms']:.3f}", str(r["calls_with_alloc"]),
+            f"{r['control_over_limit']} ({C.fmt(r['control_worst'], '.2f')})", r["gc"]]
 
 
 def main(argv=None) -> int:
