@@ -229,6 +229,13 @@ def _naive_fp8(v: torch.Tensor, scale: float) -> torch.Tensor:
     return q.float() * scale
 
 
+def _naive_group_scale(amax: float) -> float:
+    """A per-token-group scale: max(amax, 1e-10) times the fp32 reciprocal of 448, in fp32
+    (vLLM's rule on CUDA)."""
+    inv = torch.tensor(1.0) / torch.tensor(448.0)
+    return (torch.tensor(max(amax, 1e-10), dtype=torch.float32) * inv).item()
+
+
 def naive_layer(p: Problem) -> torch.Tensor:
     """One token at a time, one slot at a time; its own weight dequantization (index
     arithmetic) and activation quantization. Independent of reference/layer.py."""
@@ -269,7 +276,7 @@ def naive_layer(p: Problem) -> torch.Tensor:
             out = []
             for r in rows:
                 parts = [r[j:j + gsz] for j in range(0, r.numel(), gsz)]
-                out.append(torch.cat([_naive_fp8(pp, max(pp.abs().max().item(), 1e-10) / 448.0)
+                out.append(torch.cat([_naive_fp8(pp, _naive_group_scale(pp.abs().max().item()))
                                       for pp in parts]))
             return out
         if static is not None:

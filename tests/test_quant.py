@@ -367,9 +367,10 @@ def test_per_token_group_eps_range_nan_and_zero():
     q = fp8_empty((3, 8))
     s = f32_empty((3, 2))
     ops.per_token_group_fp8_quant(x, q, s, 4, 1e-4, -224.0, 224.0, False, False, False)
-    eps_scale = torch.tensor(1e-4, dtype=torch.float32) / 224.0
+    inv = torch.tensor(1.0) / torch.tensor(224.0)  # the scale is amax times fp32(1 / fp8_max)
+    eps_scale = torch.tensor(1e-4, dtype=torch.float32) * inv
     assert s[0].tolist() == [eps_scale.item()] * 2  # all-zero groups: eps / fp8_max
-    assert s[1, 0].item() == torch.tensor(1.0 / 224.0).item()  # NaN ignored by the amax
+    assert s[1, 0].item() == inv.item()  # NaN ignored by the amax
     assert q[1, :4].float().tolist() == [224.0, -224.0, -112.0, 56.0]  # NaN -> fp8_min
     assert s[2, 1].item() == float("inf")
     assert q[2, 4:].float().tolist() == [-224.0, 0.0, 0.0, -0.0]  # inf / inf = NaN -> fp8_min
@@ -396,7 +397,7 @@ def test_ue8m0_round_up_is_exact_near_powers_of_two():
     s = f32_empty((3, 1))
     q = fp8_empty((3, 4))
     ops.per_token_group_fp8_quant(x, q, s, 4, 1e-10, -448.0, 448.0, True, False, False)
-    raw = x[:, 0] / 448.0
+    raw = x[:, 0] * (torch.tensor(1.0) / torch.tensor(448.0))  # the scale before rounding up
     expected = ref.ue8m0_round_up_ref(raw)
     assert torch.equal(s[:, 0], expected)
     assert bool((s[:, 0] >= raw).all())

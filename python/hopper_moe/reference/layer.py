@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, QuantConfig
+from ..quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig
 
 __all__ = [
     "dequantize_weight_ref",
@@ -95,7 +95,7 @@ def quant_dequant_activation_ref(
     """Quantizes fp32 activations ``x [R, C]`` as the scheme says and dequantizes them.
 
     per_act_token_quant: one scale per row, max(amax_row / 448, 1/(448*512));
-    block_shape: one scale per row per block_k columns, max(amax_group, 1e-10) / 448;
+    block_shape: one scale per row per block_k columns, max(amax_group, 1e-10) * fp32(1 / 448);
     otherwise per-tensor: static_scale when given, else max(amax_all / 448, 1/(448*512)).
     """
     x = x.float()
@@ -106,7 +106,7 @@ def quant_dequant_activation_ref(
         group = quant.block_shape[1]
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) / FP8_MAX
+        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * GROUP_INV_MAX
         return _fp8_round_trip(xg, scale).reshape(rows, cols)
     if static_scale is not None:
         return _fp8_round_trip(x, static_scale.float().reshape(()), reciprocal=True)
