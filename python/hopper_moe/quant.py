@@ -36,6 +36,7 @@ __all__ = [
     "GROUP_EPS",
     "GROUP_INV_MAX",
     "QuantConfig",
+    "fp32_reciprocal",
     "make_quant_config",
     "quantize_weights_fp8",
 ]
@@ -45,8 +46,16 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # hopper_moe.reference use these); the kernels' own are fp8::kMinScale and the group ops' eps.
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # floor of dynamic per-tensor / per-token scales
 GROUP_EPS = 1e-10  # floor of a per-token-group amax
-# fp32 1 / 448 as a Python float (exact in fp32): a per-token-group scale is amax times it.
-GROUP_INV_MAX = float(torch.tensor(1.0, device="cpu") / torch.tensor(448.0, device="cpu"))
+
+
+def fp32_reciprocal(v: float) -> float:
+    """1 / v rounded to fp32, as a Python float (exact in fp32): a per-token-group scale is
+    amax times fp32_reciprocal(fp8_max)."""
+    return float(torch.tensor(1.0, device="cpu") / torch.tensor(v, dtype=torch.float32,
+                                                                 device="cpu"))
+
+
+GROUP_INV_MAX = fp32_reciprocal(FP8_MAX)
 
 _SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block")
 

@@ -36,9 +36,10 @@ def get_cutlass_moe_mm_data(topk_ids: torch.Tensor, num_experts: int, n: int, k:
 
     A slot i (row-major index into topk_ids) counts iff 0 <= id < num_experts. Counting slots are
     grouped by expert (ascending) and, within an expert, kept in slot order. expert_offsets[e]
-    is where expert e's rows start; input_permutation[p] is the token of the slot at row p (-1 for
-    rows past the counting slots: shuffle_rows writes zero rows there); output_permutation[i] is the row of slot i, or
-    expert_offsets[E] for a slot that does not count. Problem sizes are swapped (N, M, K) when
+    is where expert e's rows start; input_permutation[p] is the token of the slot at row p (-1
+    for rows past the counting slots: shuffle_rows writes zero rows there);
+    output_permutation[i] is the row of slot i, or expert_offsets[E] for a slot that does not
+    count. Problem sizes are swapped (N, M, K) when
     topk_ids.numel() <= SWAP_AB_MAX_SLOTS."""
     device = topk_ids.device
     top_k = topk_ids.shape[1]

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..quant import FP8_MAX, FP8_MIN_SCALE
+from ..quant import FP8_MAX, FP8_MIN_SCALE, fp32_reciprocal
 
 __all__ = [
     "FP8_DTYPE",
@@ -135,8 +135,7 @@ def per_token_group_fp8_quant_ref(input: torch.Tensor, group_size: int, eps: flo
     eps_f32 = torch.tensor(eps, dtype=torch.float32).item()
     amax = torch.clamp(_abs_ignoring_nan(x).amax(dim=2, keepdim=True), min=eps_f32)
     # amax times the fp32 reciprocal of fp8_max (vLLM's result on CUDA; see fp8.cuh group_scale)
-    s = amax * (torch.tensor(1.0, device="cpu") / torch.tensor(fp8_max, dtype=torch.float32,
-                                                              device="cpu")).item()
+    s = amax * fp32_reciprocal(fp8_max)
     if scale_ue8m0:
         s = ue8m0_round_up_ref(s)
     lo = torch.tensor(fp8_min, dtype=torch.float32).item()

@@ -183,8 +183,9 @@ __global__ void __launch_bounds__(kQuantThreads)
   }
 }
 
-// Per group of group_size columns: s = max(eps, amax) * (1 / hi) (fp8::group_scale), rounded up to a power of two when
-// kUe8m0; scales[row * s_rs + group * s_cs] = s; q = e4m3(clamp_range(x / s, lo, hi)).
+// Per group of group_size columns: s = max(eps, amax) * (1 / hi) (fp8::group_scale), rounded
+// up to a power of two when kUe8m0; scales[row * s_rs + group * s_cs] = s;
+// q = e4m3(clamp_range(x / s, lo, hi)).
 template <typename T, bool kVec, bool kUe8m0>
 __global__ void __launch_bounds__(kQuantThreads)
     per_token_group_quant_kernel(uint8_t* __restrict__ out, float* __restrict__ scales,
