@@ -96,7 +96,8 @@ for step in $steps; do
       # vLLM 0.33.0's own kernel tests against this build (tools/vllm_kernel_tests.sh), in an
       # environment made offline from the bundle of tools/vllm_offline_bundle.sh (carried as
       # .vllm_bundle). VLLM_KT_WORKERS: pytest-xdist workers (4: GPU memory); VLLM_KT_ARGS adds
-      # arguments (e.g. "--files '*topk*'").
+      # arguments (e.g. "--files '*topk*'"); VLLM_KT_SECONDS: the harness's --seconds (set it
+      # below the machine's limit per command, so the run still ends with its summary).
       EXTRA_SITE=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))') \
         bash tools/vllm_offline_env.sh .vllm_bundle /tmp/vllm_kt_venv >"$OUT/vllm_env.log" 2>&1 \
         || { tail -20 "$OUT/vllm_env.log"; echo "VLLM ENV FAILED"; rc=1; continue; }
@@ -104,6 +105,7 @@ for step in $steps; do
       HOPPER_MOE_VLLM_OFFLINE=1 HOPPER_MOE_VLLM_KT_VENV=/tmp/vllm_kt_venv \
         HOPPER_MOE_VLLM_SDIST=.vllm_bundle/vllm-0.33.0-tests.tar.gz \
         bash tools/vllm_kernel_tests.sh --device cuda -n "${VLLM_KT_WORKERS:-4}" \
+        ${VLLM_KT_SECONDS:+--seconds "$VLLM_KT_SECONDS"} \
         --log "$OUT/vllm_kernel_tests_h200.txt" "$@" >/dev/null 2>&1 || rc=1
       sed -n '/summary (hopper_moe/,$p' "$OUT/vllm_kernel_tests_h200.txt" | head -40 ;;
     cmake)

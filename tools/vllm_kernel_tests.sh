@@ -15,6 +15,10 @@
 #              CUDA context and caches, which bounds GPU memory)
 #   --log      also write the whole log to FILE (e.g. benchmarks/results/vllm_kernel_tests_cpu.txt)
 #   --files    run only the SELECTED files matching these globs (e.g. '*topk*')
+#   --seconds  a time budget for the whole script, setup included: no test starts later than 20 s
+#              before it ends; the tests left are reported as not run ("time budget" in the
+#              summary's skip reasons) and the run fails as incomplete (status 3), so a machine
+#              with a time limit per command still gets the results file and the summary
 #   --all      on the CPU, also run the GPU-sized cases skipped there by default (skips.py,
 #              CPU_GPU_SIZED: 32768/40000-token test_fused_moe shapes, the int64-overflow test,
 #              2048/8192-token block-FP8 layers, whose fp32 torch references take minutes to
@@ -40,6 +44,7 @@ WORKERS=""
 LOG=""
 FILES=""
 ALL=0
+SECONDS_BUDGET=""
 EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -48,6 +53,7 @@ while [ $# -gt 0 ]; do
     --log) LOG=$2; shift 2 ;;
     --files) FILES=$2; shift 2 ;;
     --all) ALL=1; shift ;;
+    --seconds) SECONDS_BUDGET=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) EXTRA+=("$1"); shift ;;
   esac
@@ -152,6 +158,12 @@ export PYTHONPATH="$ROOT/tests/vllm_compat${PYTHONPATH:+:$PYTHONPATH}"
 [ "$DEVICE" = cpu ] && export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
 XML=$ROOT/$WORK/results.xml
 export HOPPER_MOE_VLLM_ALL=$ALL
+if [ -n "$SECONDS_BUDGET" ]; then
+  # No test starts later than 20 s before the budget ends (counted from the script's start,
+  # setup included): the rest are reported as not run, and the summary still gets written.
+  export HOPPER_MOE_VLLM_DEADLINE=$((start + SECONDS_BUDGET - 20))
+  say "time budget: ${SECONDS_BUDGET} s from the start; no test starts after $(date -u -d "@$HOPPER_MOE_VLLM_DEADLINE" +%H:%M:%S) UTC"
+fi
 if [ "$DEVICE" = cpu ] && [ "$ALL" = 0 ]; then
   say "CPU run: GPU-sized cases skipped for time (skips.py CPU_GPU_SIZED; --all runs them)"
 fi
@@ -164,5 +176,16 @@ say "pytest exit status $status; tests in $((end - ready)) s, total $((end - sta
 echo
 say "summary (hopper_moe vs vLLM $VLLM_VERSION kernel tests, device $DEVICE)"
 "$PY" "$ROOT/tests/vllm_compat/summarize.py" "$XML" "$SRC"
+# Tests the time budget left out make the run incomplete: it fails even without a failure.
+not_run=$("$PY" - "$XML" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+print(sum("the time budget (--seconds) ran out" in (s.get("message") or "")
+          for s in ET.parse(sys.argv[1]).getroot().iter("skipped")))
+EOF
+) || not_run=0
+if [ "${not_run:-0}" -gt 0 ]; then
+  say "INCOMPLETE: $not_run tests not run (the time budget ran out); rerun with a larger --seconds or fewer --files"
+  [ "$status" -ne 0 ] || status=3
+fi
 # Any failure outside the skip table fails the run (pytest's own status).
 exit "$status"

@@ -24,11 +24,16 @@ redirection below is in place before a vLLM test module is imported. What it doe
    same CUDA SM 9.0 platform is swapped in, backed by the real device.
 4. Skips. Tests listed in skips.py (features hopper_moe does not claim) are marked skipped,
    each with the reason from the table.
+5. Time budget (``HOPPER_MOE_VLLM_DEADLINE``, a Unix time, set by the script's ``--seconds``):
+   a test that would start after it is not run but reported as skipped with
+   ``BUDGET_REASON``, so a run on a machine with a time limit still ends with its results
+   file and summary; the script then fails the run as incomplete.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_HOPPER_MOE_SHIM", "1")
 _DEVICE = os.environ.get("HOPPER_MOE_VLLM_DEVICE", "cpu")
@@ -406,6 +411,16 @@ def pytest_collection_modifyitems(config, items):
                                    gpu_sized=os.environ.get("HOPPER_MOE_VLLM_ALL") == "1")
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"hopper_moe: {reason}"))
+
+
+# ------------------------------------------------------------------------- 5. time budget
+BUDGET_REASON = "hopper_moe: not run: the time budget (--seconds) ran out"
+_DEADLINE = float(os.environ.get("HOPPER_MOE_VLLM_DEADLINE") or "inf")
+
+
+def pytest_runtest_setup(item):
+    if time.time() > _DEADLINE:
+        pytest.skip(BUDGET_REASON)
 
 
 def pytest_report_header(config):
