@@ -34,6 +34,9 @@ CANDIDATE_BACKENDS = ["torch", "triton", "cute", "auto"]
 # --gemm-only --backends ...,read: the pure weight read timed as the GEMM rows
 # (read_control.py); a control, never a row's best.
 READ_CONTROL = "read"
+# --backends ...,peer (or by default when its kernel has been extracted): the serving engine's
+# Triton pipeline (peer_vllm.py), timed like a backend in the same run.
+PEER = "peer"
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
 
@@ -59,7 +62,25 @@ class Lib:
         return getattr(self.hm, "__version__", "?")
 
     def fused_experts(self, x, w1, w2, tw, ti, quant, backend):
+        if backend == PEER:
+            return self.peer()(x, w1, w2, tw, ti, quant)
         return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
+
+    _peer = None
+    peer_dir = None
+
+    def peer(self):
+        """The engine's Triton pipeline on the kernel extracted into peer_dir (raises with
+        how to extract it when there is none)."""
+        if self._peer is None:
+            import peer_vllm
+            self._peer = peer_vllm.VllmTritonPipeline(self.peer_dir)
+        return self._peer
+
+    def peer_available(self) -> bool:
+        import peer_vllm
+        return os.path.isfile(os.path.join(self.peer_dir or peer_vllm.default_dir(),
+                                           peer_vllm.MODULE_FILE))
 
     def module(self, name: str):
         """hopper_moe.<name> as a module (None when it does not import)."""
@@ -131,6 +152,8 @@ class Lib:
         if backend == READ_CONTROL:
             import read_control
             return read_control.gemm_only_read(x, w1, w2, ti)
+        if backend == PEER:
+            return None, "the peer's GEMMs are not timed alone"
         hook = getattr(self.module("api"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
             try:
@@ -238,10 +261,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of " + ",".join(C.SCHEMES) + " (default bf16,fp8_tensor; "
                         "fp8_block runs only where H and I are multiples of 128)")
     p.add_argument("--backends", default=None,
-                   help="comma list of torch,triton,cute,auto,reference,read (default: every "
-                        "available backend; reference, the fp32 check, only when named; read, "
-                        "with --gemm-only: a kernel that only reads the GEMMs' weights, "
-                        "read_control.py)")
+                   help="comma list of torch,triton,cute,auto,reference,read,peer (default: "
+                        "every available backend, and peer when its kernel has been extracted; "
+                        "reference, the fp32 check, only when named; read, with --gemm-only: "
+                        "a kernel that only reads the GEMMs' weights, read_control.py; peer: "
+                        "the engine's Triton pipeline, peer_vllm.py)")
+    p.add_argument("--peer-dir", default=None,
+                   help="folder of the engine's extracted Triton kernel and configs for the "
+                        "peer backend (default: peer_vllm.default_dir(); made by python "
+                        "benchmarks/peer_vllm.py extract SOURCE)")
     p.add_argument("--gemm-only", action="store_true",
                    help="time only GEMM1 + GEMM2 where a backend exposes them")
     p.add_argument("--zipf", type=float, nargs="?", const=1.2, default=0.0,
@@ -296,6 +324,7 @@ def run_no_gpu(args) -> int:
     """One small layer through the CPU path (reference and torch backends)."""
     print(C.no_gpu_banner())
     lib = Lib(args.selftest)
+    lib.peer_dir = args.peer_dir
     if lib.hm is None:
         print(f"hopper_moe could not be imported ({lib.import_error}); nothing to run.")
         print(C.no_gpu_banner())
@@ -388,10 +417,12 @@ def row_cells(r: dict[str, Any]) -> list[str]:
 
 
 def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list[str], list]:
-    """One line per (shape, dtype, M): floor, each backend's µs (% of floor), the best, and
-    how far auto is from the best."""
+    """One line per (shape, dtype, M): floor, each backend's µs (% of floor), the best of
+    hopper_moe's backends, its speed against torch and, when the peer ran, against the peer
+    (peer µs / best µs: above 1 is faster than the peer)."""
+    with_peer = PEER in backends
     headers = ["shape", "dtype", "M", "floor µs"] + [f"{b} µs (%fl)" for b in backends] + \
-              ["best", "best × torch", "max err"]
+              ["best", "best × torch"] + (["best × peer"] if with_peer else []) + ["max err"]
     keyed: dict[tuple, dict[str, dict]] = {}
     order: list[tuple] = []
     for r in rows:
@@ -406,7 +437,7 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
         any_r = next(iter(by.values()))
         cells = [k[0], k[1], str(k[2]), C.fmt(any_r["floor_us"])]
         timed = {b: r for b, r in by.items()
-                 if r.get("us") and b not in ("reference", READ_CONTROL)}
+                 if r.get("us") and b not in ("reference", READ_CONTROL, PEER)}
         for b in backends:
             r = by.get(b)
             if r is None:
@@ -419,8 +450,11 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
             best = min(timed, key=lambda b: timed[b]["us"])
             base = by.get(BASELINE, {}).get("us")
             cells += [best, C.fmt(base / timed[best]["us"], ".2f") if base else "—"]
+            if with_peer:
+                peer = by.get(PEER, {}).get("us")
+                cells.append(C.fmt(peer / timed[best]["us"], ".2f") if peer else "—")
         else:
-            cells += ["—", "—"]
+            cells += ["—", "—"] + (["—"] if with_peer else [])
         errs = [r["rel_err"] for r in by.values() if r.get("rel_err") is not None]
         cells.append(C.fmt_err(max(errs)) if errs else "—")
         out.append(cells)
@@ -441,6 +475,7 @@ def run(args) -> int:
         print("--device cuda asked for, but no GPU is visible.")
         return run_no_gpu(args)
     lib = Lib(args.selftest)
+    lib.peer_dir = args.peer_dir
     if lib.hm is None:
         print(f"hopper_moe could not be imported: {lib.import_error}\n"
               "Build it (tools/dev_build.sh) and run with PYTHONPATH=python, or use --selftest.")
@@ -473,6 +508,8 @@ def run(args) -> int:
         backends = [b for b in backends if b != "reference"]
         if backends and "auto" not in backends and not args.selftest:
             backends.append("auto")  # the dispatcher's choice, timed like a backend
+        if backends and not args.selftest and device.type == "cuda" and lib.peer_available():
+            backends.append(PEER)  # the engine's pipeline, same run (peer_vllm.py)
     if BASELINE not in backends:
         lib.notes.append(f"baseline backend {BASELINE!r} not in this run: × baseline is empty")
     print(f"# backends ({how}): {', '.join(backends) or 'none'}")
@@ -549,6 +586,8 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
     def fn():
         return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)
     how = ""
+    if backend == PEER:
+        how = "peer: " + lib.peer().config_for(x.shape[0], w1, w2, quant)[1]
     explain = getattr(lib.hm, "explain_backend", None)
     if backend == "auto" and explain is not None:
         how = "auto: " + explain(x.shape[0], w1, w2, ti.shape[1], quant=quant,

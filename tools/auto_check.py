@@ -13,6 +13,9 @@ import json
 import sys
 
 
+NOT_CHOOSABLE = ("auto", "peer", "read", "reference")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+")
@@ -34,7 +37,9 @@ def main(argv=None) -> int:
     misses = 0
     for (shape, scheme, m), by in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                          kv[0][2])):
-        others = {b: r["us"] for b, r in by.items() if b != "auto"}
+        # Only what auto can choose: not the peer (the engine's pipeline), the read control
+        # or the fp32 reference.
+        others = {b: r["us"] for b, r in by.items() if b not in NOT_CHOOSABLE}
         if not others or "auto" not in by:
             continue
         best = min(others, key=others.get)

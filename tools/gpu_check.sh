@@ -40,6 +40,14 @@ for step in $steps; do
     bench)
       # The default is the two decode-critical shapes (a few minutes); BENCH_SHAPES=...
       # selects others (see benchmarks/README.md). Results go to one archive.
+      # The peer (benchmarks/peer_vllm.py): the engine's Triton kernel and config tables,
+      # extracted from the carried vLLM bundle, so bench_moe times it beside hopper_moe's
+      # backends in the same run.
+      if [ -z "${HOPPER_MOE_PEER_DIR:-}" ] && [ -f .vllm_bundle/vllm-0.33.0-py.tar.xz ]; then
+        export HOPPER_MOE_PEER_DIR=/tmp/peer_vllm
+        [ -f $HOPPER_MOE_PEER_DIR/fused_moe_kernel.py ] || python3 benchmarks/peer_vllm.py \
+          extract .vllm_bundle/vllm-0.33.0-py.tar.xz --dest $HOPPER_MOE_PEER_DIR 2>&1 | tail -1
+      fi
       res=/tmp/hopper_moe_results; rm -rf $res; mkdir -p $res  # this run's results only
       # BENCH_OPS=0 skips the ops benchmark; BENCH_ARGS replaces bench_moe's arguments.
       [ "${BENCH_OPS:-1}" = 0 ] || python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
