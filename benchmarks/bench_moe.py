@@ -37,6 +37,9 @@ READ_CONTROL = "read"
 # --backends ...,peer (or by default when its kernel has been extracted): the serving engine's
 # Triton pipeline (peer_vllm.py), timed like a backend in the same run.
 PEER = "peer"
+# The peer's tile choices (peer_vllm.VARIANTS): the engine's own, its default rule, swap-AB
+# flipped. The summary's "best × peer" takes the fastest peer row that ran.
+PEER_BACKENDS = {"peer": "engine", "peer_default": "default", "peer_swap": "swap"}
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
 
@@ -62,20 +65,20 @@ class Lib:
         return getattr(self.hm, "__version__", "?")
 
     def fused_experts(self, x, w1, w2, tw, ti, quant, backend):
-        if backend == PEER:
-            return self.peer()(x, w1, w2, tw, ti, quant)
+        if backend in PEER_BACKENDS:
+            return self.peer(backend)(x, w1, w2, tw, ti, quant)
         return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
 
-    _peer = None
     peer_dir = None
 
-    def peer(self):
-        """The engine's Triton pipeline on the kernel extracted into peer_dir (raises with
-        how to extract it when there is none)."""
-        if self._peer is None:
+    def peer(self, backend: str = PEER):
+        """The engine's Triton pipeline on the kernel extracted into peer_dir, with the tile
+        choice of `backend` (PEER_BACKENDS); raises with how to extract it when there is none."""
+        cache = self.__dict__.setdefault("_peers", {})
+        if backend not in cache:
             import peer_vllm
-            self._peer = peer_vllm.VllmTritonPipeline(self.peer_dir)
-        return self._peer
+            cache[backend] = peer_vllm.VllmTritonPipeline(self.peer_dir, PEER_BACKENDS[backend])
+        return cache[backend]
 
     def peer_available(self) -> bool:
         import peer_vllm
@@ -152,7 +155,7 @@ class Lib:
         if backend == READ_CONTROL:
             import read_control
             return read_control.gemm_only_read(x, w1, w2, ti)
-        if backend == PEER:
+        if backend in PEER_BACKENDS:
             return None, "the peer's GEMMs are not timed alone"
         hook = getattr(self.module("api"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
@@ -261,11 +264,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of " + ",".join(C.SCHEMES) + " (default bf16,fp8_tensor; "
                         "fp8_block runs only where H and I are multiples of 128)")
     p.add_argument("--backends", default=None,
-                   help="comma list of torch,triton,cute,auto,reference,read,peer (default: "
-                        "every available backend, and peer when its kernel has been extracted; "
-                        "reference, the fp32 check, only when named; read, with --gemm-only: "
-                        "a kernel that only reads the GEMMs' weights, read_control.py; peer: "
-                        "the engine's Triton pipeline, peer_vllm.py)")
+                   help="comma list of torch,triton,cute,auto,reference,read,peer,"
+                        "peer_default,peer_swap (default: every available backend, and the "
+                        "three peer ones when the peer's kernel has been extracted; reference, "
+                        "the fp32 check, only when named; read, with --gemm-only: a kernel "
+                        "that only reads the GEMMs' weights, read_control.py; peer*: the "
+                        "engine's Triton pipeline with its own tiles, its default rule, "
+                        "swap-AB flipped, peer_vllm.py)")
     p.add_argument("--peer-dir", default=None,
                    help="folder of the engine's extracted Triton kernel and configs for the "
                         "peer backend (default: peer_vllm.default_dir(); made by python "
@@ -420,7 +425,7 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
     """One line per (shape, dtype, M): floor, each backend's µs (% of floor), the best of
     hopper_moe's backends, its speed against torch and, when the peer ran, against the peer
     (peer µs / best µs: above 1 is faster than the peer)."""
-    with_peer = PEER in backends
+    with_peer = any(b in PEER_BACKENDS for b in backends)
     headers = ["shape", "dtype", "M", "floor µs"] + [f"{b} µs (%fl)" for b in backends] + \
               ["best", "best × torch"] + (["best × peer"] if with_peer else []) + ["max err"]
     keyed: dict[tuple, dict[str, dict]] = {}
@@ -437,7 +442,7 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
         any_r = next(iter(by.values()))
         cells = [k[0], k[1], str(k[2]), C.fmt(any_r["floor_us"])]
         timed = {b: r for b, r in by.items()
-                 if r.get("us") and b not in ("reference", READ_CONTROL, PEER)}
+                 if r.get("us") and b not in ("reference", READ_CONTROL, *PEER_BACKENDS)}
         for b in backends:
             r = by.get(b)
             if r is None:
@@ -451,7 +456,8 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
             base = by.get(BASELINE, {}).get("us")
             cells += [best, C.fmt(base / timed[best]["us"], ".2f") if base else "—"]
             if with_peer:
-                peer = by.get(PEER, {}).get("us")
+                peer = min((by[b]["us"] for b in PEER_BACKENDS if by.get(b, {}).get("us")),
+                           default=None)
                 cells.append(C.fmt(peer / timed[best]["us"], ".2f") if peer else "—")
         else:
             cells += ["—", "—"] + (["—"] if with_peer else [])
@@ -509,7 +515,7 @@ def run(args) -> int:
         if backends and "auto" not in backends and not args.selftest:
             backends.append("auto")  # the dispatcher's choice, timed like a backend
         if backends and not args.selftest and device.type == "cuda" and lib.peer_available():
-            backends.append(PEER)  # the engine's pipeline, same run (peer_vllm.py)
+            backends += list(PEER_BACKENDS)  # the engine's pipeline, same run (peer_vllm.py)
     if BASELINE not in backends:
         lib.notes.append(f"baseline backend {BASELINE!r} not in this run: × baseline is empty")
     print(f"# backends ({how}): {', '.join(backends) or 'none'}")
@@ -586,8 +592,8 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
     def fn():
         return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)
     how = ""
-    if backend == PEER:
-        how = "peer: " + lib.peer().config_for(x.shape[0], w1, w2, quant)[1]
+    if backend in PEER_BACKENDS:
+        how = "peer: " + lib.peer(backend).config_for(x.shape[0], w1, w2, quant)[1]
     explain = getattr(lib.hm, "explain_backend", None)
     if backend == "auto" and explain is not None:
         how = "auto: " + explain(x.shape[0], w1, w2, ti.shape[1], quant=quant,

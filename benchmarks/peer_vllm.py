@@ -179,10 +179,28 @@ def _quant_kind(quant) -> tuple[Optional[str], Optional[list[int]], bool]:
     return "fp8_w8a8", block, bool(quant.per_act_token_quant)
 
 
-class VllmTritonPipeline:
-    """The engine's Triton MoE layer (see the module docstring) on an extracted kernel."""
+# How a peer row picks its tiles. "engine": the engine's own choice (tuned table, else its
+# default rule). "default": the default rule even where a tuned table exists. "swap": the
+# engine's choice with the FP8 swap-AB decision flipped. docs/BENCHMARK.md's peer table is the
+# best of the three per row (bench_moe.py --backends peer,peer_default,peer_swap).
+VARIANTS = ("engine", "default", "swap")
 
-    def __init__(self, folder: Optional[str] = None):
+
+def _engine_swaps(cfg: dict, quant, device: torch.device) -> bool:
+    """The engine's enable_swap_ab: FP8 on SM90 with narrow token tiles runs swapped."""
+    return bool(quant is not None and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) == (9, 0)
+                and cfg["BLOCK_SIZE_M"] < 64 and cfg["BLOCK_SIZE_N"] >= 64)
+
+
+class VllmTritonPipeline:
+    """The engine's Triton MoE layer (see the module docstring) on an extracted kernel;
+    ``variant`` (VARIANTS) says how its tiles are chosen."""
+
+    def __init__(self, folder: Optional[str] = None, variant: str = "engine"):
+        if variant not in VARIANTS:
+            raise RuntimeError(f"peer_vllm: variant must be one of {VARIANTS}, got {variant!r}")
+        self.variant = variant
         self.folder = folder or default_dir()
         path = os.path.join(self.folder, MODULE_FILE)
         if not os.path.isfile(path):
@@ -196,7 +214,21 @@ class VllmTritonPipeline:
 
     def config_for(self, m: int, w1: torch.Tensor, w2: torch.Tensor, quant
                    ) -> tuple[dict, str]:
-        """(the tiles, where they come from) for m tokens, as the engine picks them."""
+        """(the tiles, where they come from) for m tokens, as the engine picks them (variant
+        "default": its default rule; "swap": the key SWAP_AB holds the flipped decision)."""
+        dtype, block, _ = _quant_kind(quant)
+        if self.variant == "default":
+            return default_config(m, w2.shape[0], dtype, block), "default rule"
+        cfg, how = self._engine_config(m, w1, w2, quant)
+        if self.variant == "swap" and quant is not None:  # the kernel swaps FP8 operands only
+            cfg["SWAP_AB"] = not _engine_swaps(cfg, quant, w1.device)
+            how += f", swap-AB {'on' if cfg['SWAP_AB'] else 'off'} (flipped)"
+        elif self.variant == "swap":
+            how += " (16-bit: no swap-AB in the kernel; the engine's choice)"
+        return cfg, how
+
+    def _engine_config(self, m: int, w1: torch.Tensor, w2: torch.Tensor, quant
+                       ) -> tuple[dict, str]:
         dtype, block, _ = _quant_kind(quant)
         name = config_file_name(w2.shape[0], w2.shape[2], dtype, block,
                                 device_file_name(w1.device))
@@ -235,9 +267,7 @@ class VllmTritonPipeline:
         if block is not None:
             block_k = min(block_k, block[0], block[1])
         cfg.pop("SPLIT_K", None)  # the launch passes SPLIT_K=1 itself, as the engine does
-        # SM90 with FP8: narrow token tiles run swapped (the engine's enable_swap_ab).
-        swap = bool(fp8 and a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)
-                    and cfg["BLOCK_SIZE_M"] < 64 and cfg["BLOCK_SIZE_N"] >= 64)
+        swap = cfg.pop("SWAP_AB") if "SWAP_AB" in cfg else _engine_swaps(cfg, quant, a.device)
         m = a.shape[0]
         num_tokens = m * top_k
         if sorted_ids is not None:

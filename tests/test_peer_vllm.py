@@ -144,6 +144,22 @@ def test_config_for_takes_the_nearest_tuned_row_else_the_default(tmp_path, monke
     assert how.startswith("default") and cfg == peer_vllm.default_config(20, 8, None, None)
 
 
+def test_variants_choose_the_default_rule_or_flip_swap_ab(tmp_path, monkeypatch):
+    dest = peer_vllm.extract(_fake_tree(tmp_path / "src"), str(tmp_path / "out"))
+    monkeypatch.setattr(peer_vllm, "device_file_name", lambda device: "NVIDIA_H200")
+    w1, w2 = torch.empty(8, 256, 64), torch.empty(8, 64, 128)
+    cfg, how = peer_vllm.VllmTritonPipeline(dest, "default").config_for(40, w1, w2, _Quant())
+    assert how == "default rule" and cfg == peer_vllm.default_config(40, 8, "fp8_w8a8", None)
+    # tuned M = 64 row: 64-row tiles, which the engine does not swap; the variant does (on the
+    # CPU the engine never swaps, so the flip is always "on")
+    cfg, how = peer_vllm.VllmTritonPipeline(dest, "swap").config_for(40, w1, w2, _Quant())
+    assert cfg["SWAP_AB"] is True and "flipped" in how
+    cfg, how = peer_vllm.VllmTritonPipeline(dest, "swap").config_for(40, w1, w2, None)
+    assert "SWAP_AB" not in cfg and "16-bit" in how
+    with pytest.raises(RuntimeError, match="variant must be one of"):
+        peer_vllm.VllmTritonPipeline(dest, "best")
+
+
 def test_pipeline_without_an_extracted_kernel_says_how_to_get_one(tmp_path):
     with pytest.raises(RuntimeError, match="peer_vllm.py extract"):
         peer_vllm.VllmTritonPipeline(str(tmp_path))
@@ -199,8 +215,9 @@ def test_real_pipeline_matches_the_reference(real_peer, dtype, m):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("variant", ["engine", "swap"])
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-def test_real_pipeline_fp8_matches_the_reference(real_peer, scheme):
+def test_real_pipeline_fp8_matches_the_reference(real_peer, scheme, variant):
     import hopper_moe
     from hopper_moe.quant import QuantConfig
     x, w1, w2, tw, ti = _layer(torch.float16, 6)
@@ -218,7 +235,9 @@ def test_real_pipeline_fp8_matches_the_reference(real_peer, scheme):
         (w1q, s1), (w2q, s2) = _fp8_weights(w1, per_channel), _fp8_weights(w2, per_channel)
         quant = QuantConfig(w1_scale=s1, w2_scale=s2, per_act_token_quant=per_channel,
                             per_out_ch_quant=per_channel)
-    out = real_peer(x, w1q, w2q, tw, ti, quant)
+    peer = real_peer if variant == "engine" else \
+        peer_vllm.VllmTritonPipeline(real_peer.folder, variant)
+    out = peer(x, w1q, w2q, tw, ti, quant)
     ref = hopper_moe.fused_experts(x, w1q, w2q, tw, ti, quant=quant, backend="reference")
     # FP8 activations: a few e4m3 steps of the inputs of each GEMM
     torch.testing.assert_close(out.float(), ref.float(), atol=6e-2, rtol=6e-2)
@@ -240,10 +259,13 @@ def _row(backend, us, m=1):
 
 def test_bench_table_best_is_hopper_moes_and_compared_with_the_peer():
     import bench_moe
-    rows = [_row("torch", 400.0), _row("triton", 200.0), _row(bench_moe.PEER, 150.0)]
-    headers, lines = bench_moe.compact_table(rows, ["torch", "triton", bench_moe.PEER])
+    rows = [_row("torch", 400.0), _row("triton", 200.0), _row("peer", 180.0),
+            _row("peer_default", 150.0), _row("peer_swap", 300.0)]
+    headers, lines = bench_moe.compact_table(
+        rows, ["torch", "triton", "peer", "peer_default", "peer_swap"])
     cells = dict(zip(headers, lines[0]))
-    assert cells["best"] == "triton"  # the peer is never hopper_moe's best
+    assert cells["best"] == "triton"  # a peer row is never hopper_moe's best
+    # against the fastest peer row
     assert cells["best × peer"] == "0.75" and cells["best × torch"] == "2.00"
     headers, _ = bench_moe.compact_table(rows[:2], ["torch", "triton"])
     assert "best × peer" not in headers
@@ -251,8 +273,8 @@ def test_bench_table_best_is_hopper_moes_and_compared_with_the_peer():
 
 def test_auto_check_ignores_the_peer(tmp_path):
     path = tmp_path / "r.json"
-    rows = [_row("triton", 200.0), _row("peer", 100.0),
-            dict(_row("auto", 202.0), how="auto: triton")]
+    rows = [_row("triton", 200.0), _row("peer", 100.0), _row("peer_default", 90.0),
+            _row("peer_swap", 95.0), dict(_row("auto", 202.0), how="auto: triton")]
     path.write_text(json.dumps({"rows": rows}))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "auto_check.py"), str(path)],
                        capture_output=True, text=True)

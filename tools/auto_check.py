@@ -13,7 +13,7 @@ import json
 import sys
 
 
-NOT_CHOOSABLE = ("auto", "peer", "read", "reference")
+NOT_CHOOSABLE = ("auto", "peer", "peer_default", "peer_swap", "read", "reference")
 
 
 def main(argv=None) -> int:
