@@ -280,3 +280,13 @@ def test_auto_check_ignores_the_peer(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "| mixtral | bf16 | 1 | triton | 200.0 | triton | 202.0 | 1.010 | yes |" in r.stdout
+
+
+def test_triton_sass_compiles_the_peer_kernel_for_sm90(real_peer):
+    # ptxas for sm_90a without a GPU: the engine's kernel at a small bf16 tile uses wgmma
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "triton_sass.py"), "--peer",
+                        real_peer.folder, "--scheme", "bf16", "--block", "64,128,64",
+                        "--warps", "4", "--stages", "3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "peer (the engine's fused_moe_kernel)" in r.stdout
+    assert "MMA: HGMMA.64x128x16.F32.BF16" in r.stdout and "local memory: none" in r.stdout

@@ -3,6 +3,11 @@ registers, spills, shared memory, and the SASS instruction mix of the kernel.
 
     python tools/triton_sass.py --scheme bf16 --block 128,256,64 --warps 8 --stages 3 \
         [--swap-ab] [--fuse-silu] [--n 28672 --k 4096] [--sass out.sass]
+    python tools/triton_sass.py --peer [DIR] --scheme fp8_tensor --block 128,256,128 ...
+
+--peer compiles the serving engine's fused_moe_kernel instead (extracted into DIR by
+benchmarks/peer_vllm.py; default its folder) at the same tile, for comparing the two kernels
+(per-tensor FP8 or bf16; --fuse-silu and the FP8-output options do not apply to it).
 
 The launch's specializations are reproduced: unit strides and 16-divisible sizes are what
 Triton sees on the GPU (do_not_specialize arguments excepted), EVEN_K / EVEN_N follow the
@@ -86,6 +91,53 @@ def signature(args) -> tuple[dict, dict, dict]:
     return sig, const, attrs
 
 
+def peer_signature(fn, args) -> tuple[dict, dict, dict]:
+    """The engine kernel's launch (peer_vllm.VllmTritonPipeline._gemm) at this tile."""
+    import triton.language as tl
+    if args.scheme not in ("bf16", "fp8_tensor"):
+        raise SystemExit("--peer: --scheme bf16 or fp8_tensor")
+    fp8 = args.scheme != "bf16"
+    in_t = "fp8e4nv" if fp8 else "bf16"
+    ptrs = {"a_ptr": in_t, "b_ptr": in_t, "c_ptr": "bf16", "a_scale_ptr": "fp32",
+            "b_scale_ptr": "fp32", "topk_weights_ptr": "fp32", "sorted_token_ids_ptr": "i32",
+            "expert_ids_ptr": "i32", "num_tokens_post_padded_ptr": "i32"}
+    bm, bn, bk = args.block
+    n, k = args.n, args.k
+    ints = dict(N=n, K=k, EM=9000, num_valid_tokens=8192, stride_am=k, stride_ak=1,
+                stride_be=n * k, stride_bk=1, stride_bn=k, stride_cm=n, stride_cn=1,
+                stride_asm=0, stride_ask=0, stride_bse=1, stride_bsk=0, stride_bsn=0,
+                stride_bbe=0, stride_bbn=0)
+    const = dict(b_bias_ptr=None, group_n=0, group_k=0, naive_block_assignment=False,
+                 BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=16, SPLIT_K=1,
+                 MUL_ROUTED_WEIGHT=False, top_k=2, compute_type=tl.bfloat16, use_fp8_w8a8=fp8,
+                 use_int8_w8a8=False, use_int8_w8a16=False, per_channel_quant=False,
+                 HAS_BIAS=False, SWAP_AB=args.swap_ab, USE_TD=False)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in ptrs:
+            sig[name] = "*" + ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ints:
+            if ints[name] == 1:
+                sig[name] = "constexpr"
+                const[name] = 1
+                continue
+            sig[name] = "i32"
+            if ints[name] and ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in const:
+            sig[name] = "constexpr"
+        else:
+            raise SystemExit(f"--peer: unknown kernel argument {name}")
+    return sig, {k: v for k, v in const.items() if sig.get(k) == "constexpr"}, attrs
+
+
+def _peer_kernel(folder: str | None):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import peer_vllm
+    return peer_vllm.VllmTritonPipeline(folder).kernel
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scheme", default="bf16", choices=sorted(QUANT))
@@ -100,10 +152,17 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=28672)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--sass", default=None, help="write the SASS here")
+    p.add_argument("--peer", nargs="?", const="", default=None, metavar="DIR",
+                   help="compile the engine's fused_moe_kernel (benchmarks/peer_vllm.py) instead")
     args = p.parse_args(argv)
 
-    sig, const, attrs = signature(args)
-    src = ASTSource(fn=moe_gemm_kernel, signature=sig, constexprs=const, attrs=attrs)
+    if args.peer is not None:
+        fn = _peer_kernel(args.peer or None)
+        sig, const, attrs = peer_signature(fn, args)
+    else:
+        fn = moe_gemm_kernel
+        sig, const, attrs = signature(args)
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=args.warps, num_stages=args.stages))
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +179,8 @@ def main(argv=None) -> int:
     ops = collections.Counter(m.group(1).split(".")[0] for m in
                               re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass))
     mma = sorted({m for m in re.findall(r"\b([HQ]GMMA\.\S+)", sass)})
-    print(f"config: scheme={args.scheme} block={args.block} warps={args.warps} "
+    print(("peer (the engine's fused_moe_kernel) " if args.peer is not None else "") +
+          f"config: scheme={args.scheme} block={args.block} warps={args.warps} "
           f"stages={args.stages} swap_ab={args.swap_ab} fuse_silu={args.fuse_silu}")
     print(f"ptxas: {usage}")
     print(f"shared memory (Triton): {kernel.metadata.shared} bytes")
