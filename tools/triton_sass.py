@@ -26,6 +26,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+# This tool compiles kernels; under TRITON_INTERPRET=1 they would be defined as interpreted
+# functions, which cannot be compiled.
+os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
