@@ -175,6 +175,9 @@ def _quant_kind(quant) -> tuple[Optional[str], Optional[list[int]], bool]:
     """(the engine's dtype selector, block shape, per-token activations) of a QuantConfig."""
     if quant is None:
         return None, None, False
+    if quant.block_shape is None and quant.per_out_ch_quant and not quant.per_act_token_quant:
+        raise RuntimeError("peer_vllm: the engine's kernel takes per-channel weight scales "
+                           "only with per-token activation scales (per_channel_quant)")
     block = [int(b) for b in quant.block_shape] if quant.block_shape is not None else None
     return "fp8_w8a8", block, bool(quant.per_act_token_quant)
 
@@ -193,6 +196,19 @@ def _engine_swaps(cfg: dict, quant, device: torch.device) -> bool:
                 and cfg["BLOCK_SIZE_M"] < 64 and cfg["BLOCK_SIZE_N"] >= 64)
 
 
+_KERNELS: dict = {}  # module file -> its kernel: one JIT function per file, shared by variants
+
+
+def _load_kernel(path: str):
+    if path not in _KERNELS:
+        spec = importlib.util.spec_from_file_location(
+            f"hopper_moe_peer_vllm_kernel_{len(_KERNELS)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _KERNELS[path] = getattr(module, KERNEL_NAME)
+    return _KERNELS[path]
+
+
 class VllmTritonPipeline:
     """The engine's Triton MoE layer (see the module docstring) on an extracted kernel;
     ``variant`` (VARIANTS) says how its tiles are chosen."""
@@ -206,10 +222,7 @@ class VllmTritonPipeline:
         if not os.path.isfile(path):
             raise RuntimeError(f"peer_vllm: no extracted kernel in {self.folder} (run "
                                "python benchmarks/peer_vllm.py extract SOURCE)")
-        spec = importlib.util.spec_from_file_location("hopper_moe_peer_vllm_kernel", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        self.kernel = getattr(module, KERNEL_NAME)
+        self.kernel = _load_kernel(os.path.realpath(path))
         self._tables: dict[str, Optional[dict]] = {}
 
     def config_for(self, m: int, w1: torch.Tensor, w2: torch.Tensor, quant

@@ -126,9 +126,19 @@ def test_default_config_is_the_engines_rule():
 
 
 class _Quant:
-    def __init__(self, block_shape=None, per_act_token_quant=False):
+    def __init__(self, block_shape=None, per_act_token_quant=False, per_out_ch_quant=False):
         self.block_shape = block_shape
         self.per_act_token_quant = per_act_token_quant
+        self.per_out_ch_quant = per_out_ch_quant
+
+
+def test_per_channel_weights_need_per_token_activations():
+    with pytest.raises(RuntimeError, match="per-channel weight scales only with per-token"):
+        peer_vllm._quant_kind(_Quant(per_out_ch_quant=True))
+    assert peer_vllm._quant_kind(_Quant(per_act_token_quant=True, per_out_ch_quant=True)) == \
+        ("fp8_w8a8", None, True)
+    # per-token activations with per-tensor weights: the kernel broadcasts the weight scale
+    assert peer_vllm._quant_kind(_Quant(per_act_token_quant=True)) == ("fp8_w8a8", None, True)
 
 
 def test_config_for_takes_the_nearest_tuned_row_else_the_default(tmp_path, monkeypatch):
