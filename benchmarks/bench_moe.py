@@ -49,8 +49,10 @@ class Lib:
     """The calls the benchmark makes, on hopper_moe or (with --selftest) the harness
     stand-in. Every call either works or raises; nothing here is timed."""
 
-    def __init__(self, selftest: bool):
+    def __init__(self, selftest: bool, peer_dir: str | None = None):
         self.selftest = selftest
+        self.peer_dir = peer_dir  # the peer's extracted kernel (None: peer_vllm's default)
+        self._peers: dict[str, Any] = {}
         self.notes: list[str] = []
         if selftest:
             self.hm = C.HarnessLib
@@ -69,16 +71,14 @@ class Lib:
             return self.peer(backend)(x, w1, w2, tw, ti, quant)
         return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
 
-    peer_dir = None
-
     def peer(self, backend: str = PEER):
         """The engine's Triton pipeline on the kernel extracted into peer_dir, with the tile
         choice of `backend` (PEER_BACKENDS); raises with how to extract it when there is none."""
-        cache = self.__dict__.setdefault("_peers", {})
-        if backend not in cache:
+        if backend not in self._peers:
             import peer_vllm
-            cache[backend] = peer_vllm.VllmTritonPipeline(self.peer_dir, PEER_BACKENDS[backend])
-        return cache[backend]
+            self._peers[backend] = peer_vllm.VllmTritonPipeline(self.peer_dir,
+                                                                PEER_BACKENDS[backend])
+        return self._peers[backend]
 
     def peer_available(self) -> bool:
         import peer_vllm
@@ -328,8 +328,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_no_gpu(args) -> int:
     """One small layer through the CPU path (reference and torch backends)."""
     print(C.no_gpu_banner())
-    lib = Lib(args.selftest)
-    lib.peer_dir = args.peer_dir
+    lib = Lib(args.selftest, args.peer_dir)
     if lib.hm is None:
         print(f"hopper_moe could not be imported ({lib.import_error}); nothing to run.")
         print(C.no_gpu_banner())
@@ -480,8 +479,7 @@ def run(args) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda asked for, but no GPU is visible.")
         return run_no_gpu(args)
-    lib = Lib(args.selftest)
-    lib.peer_dir = args.peer_dir
+    lib = Lib(args.selftest, args.peer_dir)
     if lib.hm is None:
         print(f"hopper_moe could not be imported: {lib.import_error}\n"
               "Build it (tools/dev_build.sh) and run with PYTHONPATH=python, or use --selftest.")

@@ -202,14 +202,6 @@ def _layer(dtype, m, e=8, k=2, hidden=256, inter=128, seed=0):
     return x, w1, w2, tw, ti.to(torch.int32)
 
 
-def _fp8_weights(w, per_channel: bool):
-    amax = w.float().abs().amax(dim=2, keepdim=True) if per_channel else \
-        w.float().abs().amax(dim=(1, 2), keepdim=True)
-    scale = amax / 448.0
-    wq = (w.float() / scale).to(torch.float8_e4m3fn)
-    return wq, (scale.squeeze(2) if per_channel else scale.reshape(-1))
-
-
 # bf16 is left to the GPU: Triton's CPU interpreter computes a bf16 tl.dot wrongly (see
 # hopper_moe/kernels/moe_gemm.py, INTERPRETER); fp16 and fp32 take the same path.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -229,22 +221,9 @@ def test_real_pipeline_matches_the_reference(real_peer, dtype, m):
 @pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
 def test_real_pipeline_fp8_matches_the_reference(real_peer, scheme, variant):
     import hopper_moe
-    from hopper_moe.quant import QuantConfig
+    from hopper_moe.quant import make_quant_config
     x, w1, w2, tw, ti = _layer(torch.float16, 6)
-    if scheme == "block":
-        def blocks(w):
-            e, n, kk = w.shape
-            amax = w.float().reshape(e, n // 128, 128, kk // 128, 128).abs().amax(dim=(2, 4))
-            s = amax / 448.0
-            q = (w.float() / s.repeat_interleave(128, 1).repeat_interleave(128, 2))
-            return q.to(torch.float8_e4m3fn), s
-        (w1q, s1), (w2q, s2) = blocks(w1), blocks(w2)
-        quant = QuantConfig(w1_scale=s1, w2_scale=s2, block_shape=[128, 128])
-    else:
-        per_channel = scheme == "channel"
-        (w1q, s1), (w2q, s2) = _fp8_weights(w1, per_channel), _fp8_weights(w2, per_channel)
-        quant = QuantConfig(w1_scale=s1, w2_scale=s2, per_act_token_quant=per_channel,
-                            per_out_ch_quant=per_channel)
+    w1q, w2q, quant = make_quant_config(w1, w2, "fp8_" + scheme)
     peer = real_peer if variant == "engine" else \
         peer_vllm.VllmTritonPipeline(real_peer.folder, variant)
     out = peer(x, w1q, w2q, tw, ti, quant)

@@ -21,6 +21,15 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-$(nproc)} PY
 if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi; ${CXX:-c++} --version | head -1; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } >"$OUT/env.txt" 2>&1
+# The peer (benchmarks/peer_vllm.py): the engine's Triton kernel and config tables, extracted
+# once from the carried vLLM bundle, so bench_moe times it beside hopper_moe's backends.
+peer_prep() {
+  if [ -z "${HOPPER_MOE_PEER_DIR:-}" ] && [ -f .vllm_bundle/vllm-0.33.0-py.tar.xz ]; then
+    export HOPPER_MOE_PEER_DIR=/tmp/peer_vllm
+    [ -f $HOPPER_MOE_PEER_DIR/fused_moe_kernel.py ] || python3 benchmarks/peer_vllm.py \
+      extract .vllm_bundle/vllm-0.33.0-py.tar.xz --dest $HOPPER_MOE_PEER_DIR 2>&1 | tail -1
+  fi
+}
 rc=0
 for step in $steps; do
   t0=$(date +%s)
@@ -40,14 +49,7 @@ for step in $steps; do
     bench)
       # The default is the two decode-critical shapes (a few minutes); BENCH_SHAPES=...
       # selects others (see benchmarks/README.md). Results go to one archive.
-      # The peer (benchmarks/peer_vllm.py): the engine's Triton kernel and config tables,
-      # extracted from the carried vLLM bundle, so bench_moe times it beside hopper_moe's
-      # backends in the same run.
-      if [ -z "${HOPPER_MOE_PEER_DIR:-}" ] && [ -f .vllm_bundle/vllm-0.33.0-py.tar.xz ]; then
-        export HOPPER_MOE_PEER_DIR=/tmp/peer_vllm
-        [ -f $HOPPER_MOE_PEER_DIR/fused_moe_kernel.py ] || python3 benchmarks/peer_vllm.py \
-          extract .vllm_bundle/vllm-0.33.0-py.tar.xz --dest $HOPPER_MOE_PEER_DIR 2>&1 | tail -1
-      fi
+      peer_prep
       res=/tmp/hopper_moe_results; rm -rf $res; mkdir -p $res  # this run's results only
       # BENCH_OPS=0 skips the ops benchmark; BENCH_ARGS replaces bench_moe's arguments.
       [ "${BENCH_OPS:-1}" = 0 ] || python3 benchmarks/bench_ops.py --quick --out $res 2>&1 | tee "$OUT/bench_ops.log" | tail -30
@@ -77,12 +79,8 @@ for step in $steps; do
       # A/B of the Triton GEMM's FP8_FAST_ACC at prefill (benchmarks/notes/next.md): a config
       # folder whose mixtral FP8 table is the shipped one with the rows from M = 256 on set to
       # 128 x 256 x 128 tiles with fast accumulation, then the same bench_moe rows with it and
-      # with the shipped table, the peer beside (extracted as in the bench step).
-      if [ -z "${HOPPER_MOE_PEER_DIR:-}" ] && [ -f .vllm_bundle/vllm-0.33.0-py.tar.xz ]; then
-        export HOPPER_MOE_PEER_DIR=/tmp/peer_vllm
-        [ -f $HOPPER_MOE_PEER_DIR/fused_moe_kernel.py ] || python3 benchmarks/peer_vllm.py \
-          extract .vllm_bundle/vllm-0.33.0-py.tar.xz --dest $HOPPER_MOE_PEER_DIR 2>&1 | tail -1
-      fi
+      # with the shipped table, the peer beside.
+      peer_prep
       cfg=/tmp/hopper_moe_fastacc; rm -rf $cfg; mkdir -p $cfg
       python3 - "$cfg" <<'EOF'
 import json, sys

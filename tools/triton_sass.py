@@ -74,26 +74,33 @@ def signature(args) -> tuple[dict, dict, dict]:
                  ACT_ROUND=1 if args.fuse_silu else 0,
                  FP8_FAST_ACC=args.fast_acc and args.scheme in ("fp8_tensor", "fp8_channel"),
                  INTERPRETER=False)
-    sig, attrs = {}, {}
-    for i, name in enumerate(moe_gemm_kernel.arg_names):
+    return _specialize(moe_gemm_kernel, ptrs, ints, const, TOKEN_DEPENDENT_ARGS)
+
+
+def _specialize(fn, ptrs: dict, ints: dict, const: dict, unspecialized=()
+                ) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of `fn`'s launch as Triton specializes it on the GPU:
+    pointers 16-byte aligned, integers equal to 1 made constexprs and multiples of 16 marked
+    divisible (except the `unspecialized` ones, do_not_specialize), `const` as given."""
+    sig, attrs, const = {}, {}, dict(const)
+    for i, name in enumerate(fn.arg_names):
         if name in ptrs:
             sig[name] = "*" + ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ints:
             v = ints[name]
-            if name not in TOKEN_DEPENDENT_ARGS and v == 1:
+            if name not in unspecialized and v == 1:
                 sig[name] = "constexpr"
                 const[name] = 1
                 continue
             sig[name] = "i32"
-            if name not in TOKEN_DEPENDENT_ARGS and v % 16 == 0:
+            if name not in unspecialized and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in const:
             sig[name] = "constexpr"
         else:
-            raise SystemExit(f"unknown kernel argument {name}")
-    const = {k: v for k, v in const.items() if sig.get(k) == "constexpr"}
-    return sig, const, attrs
+            raise SystemExit(f"unknown kernel argument {name} of {fn.__name__}")
+    return sig, {k: v for k, v in const.items() if sig.get(k) == "constexpr"}, attrs
 
 
 def peer_signature(fn, args) -> tuple[dict, dict, dict]:
@@ -117,24 +124,7 @@ def peer_signature(fn, args) -> tuple[dict, dict, dict]:
                  MUL_ROUTED_WEIGHT=False, top_k=2, compute_type=tl.bfloat16, use_fp8_w8a8=fp8,
                  use_int8_w8a8=False, use_int8_w8a16=False, per_channel_quant=False,
                  HAS_BIAS=False, SWAP_AB=args.swap_ab, USE_TD=False)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in ptrs:
-            sig[name] = "*" + ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ints:
-            if ints[name] == 1:
-                sig[name] = "constexpr"
-                const[name] = 1
-                continue
-            sig[name] = "i32"
-            if ints[name] and ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in const:
-            sig[name] = "constexpr"
-        else:
-            raise SystemExit(f"--peer: unknown kernel argument {name}")
-    return sig, {k: v for k, v in const.items() if sig.get(k) == "constexpr"}, attrs
+    return _specialize(fn, ptrs, ints, const)
 
 
 def _peer_kernel(folder: str | None):
