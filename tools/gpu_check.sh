@@ -3,7 +3,7 @@
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
 #   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|stages|tune|sanitize|cmake ...]
-#   [host|warmup|oracle|vllm|fastacc ...]   (default: build test bench sanitize cmake)
+#   [host|warmup|oracle|vllm ...]   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hopper_moe_out}
@@ -75,29 +75,6 @@ for step in $steps; do
         --out $res --tag auto_check 2>&1 | tail -5
       python3 tools/auto_check.py $res/*auto_check.json | tee "$OUT/auto_check.md" | tail -15
       cp $res/*auto_check.md "$OUT/" ;;
-    fastacc)
-      # A/B of the Triton GEMM's FP8_FAST_ACC at prefill (benchmarks/notes/next.md): a config
-      # folder whose mixtral FP8 table is the shipped one with the rows from M = 256 on set to
-      # 128 x 256 x 128 tiles with fast accumulation, then the same bench_moe rows with it and
-      # with the shipped table, the peer beside.
-      peer_prep
-      cfg=/tmp/hopper_moe_fastacc; rm -rf $cfg; mkdir -p $cfg
-      python3 - "$cfg" <<'EOF'
-import json, sys
-name = "E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8.json"
-table = json.load(open("python/hopper_moe/configs/" + name))
-fast = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 16, "SWAP_AB": False,
-        "ONE_SLOT_PER_BLOCK": False, "num_warps": 8, "num_stages": 4, "FP8_FAST_ACC": True}
-json.dump({m: (fast if int(m) >= 256 else row) for m, row in table.items()},
-          open(sys.argv[1] + "/" + name, "w"), indent=1)
-EOF
-      res=/tmp/hopper_moe_fastacc_res; rm -rf $res; mkdir -p $res
-      args=${FASTACC_ARGS:---shapes mixtral --dtypes fp8_tensor --static-act --m 256,1024,4096}
-      HOPPER_MOE_CONFIG_DIR=$cfg python3 benchmarks/bench_moe.py $args \
-        --backends triton,peer,peer_default,peer_swap --out $res --tag fastacc 2>&1 | tail -8
-      python3 benchmarks/bench_moe.py $args --backends triton --out $res --tag promoted 2>&1 \
-        | tail -6
-      cp $res/*.md $res/*.json "$OUT/" ;;
     stages)
       # The Triton layer stage by stage, replay by replay (benchmarks/bench_stages.py);
       # STAGES_ARGS replaces its arguments.
