@@ -98,6 +98,22 @@ def test_both_mappings_compute_the_same_function(swap_ab, monkeypatch):
         run_case(9, 4, 2, 128, 64, scheme, DEVICE, seed=3)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_tensor_static", "fp8_channel",
+                                    "fp8_block"])
+def test_fp8_fast_accumulation_computes_the_same_layer(scheme, swap_ab, monkeypatch):
+    """A config's FP8_FAST_ACC (the K loop accumulated in the MMA, no fp32 tile per K step) is
+    the same function: H and I of three and two K tiles, so a path that kept only the last K
+    tile fails. Block FP8 ignores the key (its scales apply per K group)."""
+    orig = triton_configs.default_config
+
+    def forced(*args, **kwargs):
+        return dict(orig(*args, **kwargs), SWAP_AB=swap_ab, BLOCK_K=128, FP8_FAST_ACC=True)
+
+    monkeypatch.setattr(triton_configs, "default_config", forced)
+    run_case(9, 4, 2, 384, 256, scheme, DEVICE, seed=4)
+
+
 @pytest.mark.parametrize("one_slot", [False, True])
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_channel", "fp8_block"])
 def test_one_slot_per_block_matches_aligned(one_slot, scheme, monkeypatch):

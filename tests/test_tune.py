@@ -19,11 +19,11 @@ from hopper_moe.kernels import moe_gemm_configs as configs
 SHAPES = [(8, 2), (128, 8)]  # (num_experts, top_k)
 MS = [1, 2, 8, 48, 64, 4096]
 CFG_A = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, SWAP_AB=True,
-             ONE_SLOT_PER_BLOCK=True, num_warps=4, num_stages=5)
+             ONE_SLOT_PER_BLOCK=True, num_warps=4, num_stages=5, FP8_FAST_ACC=False)
 CFG_B = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, SWAP_AB=True,
-             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=2)
+             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=2, FP8_FAST_ACC=False)
 CFG_C = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, SWAP_AB=False,
-             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=3)
+             ONE_SLOT_PER_BLOCK=False, num_warps=8, num_stages=3, FP8_FAST_ACC=False)
 
 
 # The tiny-layer tests run the kernels compiled on a GPU, in Triton's interpreter without one
@@ -73,11 +73,15 @@ def test_every_config_obeys_the_rules(scheme):
 
 def test_pruning_removes_what_it_should_and_keeps_the_rest():
     everything = tune.all_configs()
-    assert len(everything) == 4 * 4 * 3 * 3 * 2 * 2 * 4 + 4 * 3 * 2 * 2 * 4
+    assert len(everything) == (4 * 4 * 3 * 3 * 2 * 2 * 4 + 4 * 3 * 2 * 2 * 4) * 2
     big = dict(CFG_C, BLOCK_N=256, BLOCK_K=128, num_stages=3)  # 3*(128+256)*128 elements
     assert tune.why_pruned(big, "bf16") == "shared memory"  # 288 KB
     assert tune.why_pruned(big, "fp8_tensor") is None       # 144 KB
     assert tune.why_pruned(dict(CFG_C, SWAP_AB=True), "bf16") == "swap-AB needs BLOCK_M <= 64"
+    # Fast accumulation exists only where the kernel has it (per-tensor / per-channel FP8).
+    for scheme in tune.SCHEMES:
+        why = tune.why_pruned(dict(CFG_C, FP8_FAST_ACC=True), scheme)
+        assert (why is None) == (scheme in ("fp8_tensor", "fp8_channel")), (scheme, why)
     assert tune.why_pruned(dict(CFG_B, BLOCK_K=128), "fp8_block") is None
     assert tune.why_pruned(CFG_B, "fp8_block") is not None            # BLOCK_K 256
     assert tune.why_pruned(dict(CFG_B, BLOCK_K=128, BLOCK_N=256), "fp8_block") is not None
@@ -263,7 +267,7 @@ def test_candidates_of_a_tiny_layer(scheme):
     base = tune.evaluate(layer, tune.baseline_config(5, 2, 4, scheme), ref, scheme, timer)
     assert base.rejected is None and base.err < tune.ERR_MAX[scheme] and base.us > 0
     other = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SWAP_AB=False,
-                 ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2)
+                 ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2, FP8_FAST_ACC=False)
     assert other != base.config and other in tune.search_space(5, scheme, 2, 4)
     res = tune.evaluate(layer, other, ref, scheme, timer, base.err)
     assert res.rejected is None and res.err < tune.ERR_MAX[scheme]
@@ -292,7 +296,7 @@ def test_precompile_runs_every_config_in_worker_processes(monkeypatch):
     C = tune.bench_common()
     shape = C.MoEShape("t", 4, 2, 128, 64)
     good = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, SWAP_AB=False,
-                ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2)
+                ONE_SLOT_PER_BLOCK=False, num_warps=4, num_stages=2, FP8_FAST_ACC=False)
     broken = dict(good, BLOCK_K=48)
     monkeypatch.setattr(tune, "search_space", lambda *a, **k: [good, broken])
     n, failed = tune.precompile(shape, "bf16", [5], "full", jobs=2, device=DEVICE)

@@ -4,6 +4,7 @@
     ... python tools/sanitize_ops.py --gemm     (only the grouped GEMM and the cute layer)
     ... python tools/sanitize_ops.py --layer    (only the whole layer: every GPU backend x
                                                  every scheme, edge-case routings)
+    ... python tools/sanitize_ops.py --layer --backends triton,sm90   (those backends only)
 
 Every allocation is exact-size (no caching allocator), so an access one element past a buffer
 is caught. Shapes: 0, 1 and 3 tokens, a tile +- 1, experts with no tokens, all tokens on one
@@ -137,10 +138,10 @@ def gemm_ops(counts, n, k, config=""):
     torch.cuda.synchronize()
 
 
-def whole_layers():
-    """fused_experts on every GPU backend that runs each scheme (torch, triton, sm90 where it
-    supports it), with 1 and 3 tokens (ids out of range), an expert_map with -1 and
-    out-of-local entries, one hot expert and 300 tokens; out= given for half of them."""
+def whole_layers(backends=("torch", "triton", "sm90")):
+    """fused_experts on every GPU backend of `backends` that runs each scheme (torch, triton,
+    sm90 where it supports it), with 1 and 3 tokens (ids out of range), an expert_map with -1
+    and out-of-local entries, one hot expert and 300 tokens; out= given for half of them."""
     from hopper_moe import api
     from hopper_moe.quant import make_quant_config
 
@@ -159,7 +160,7 @@ def whole_layers():
             x = randn(c["T"], H)
             w, ids = routing(c["T"], c["E"], c["K"], bad_ids=c.get("bad", False),
                              one_expert=c.get("hot", False))
-            for backend in ("torch", "triton", "sm90"):
+            for backend in backends:
                 if backend not in api.available_backends("cuda") or not \
                         api._BACKENDS[backend].supports(x.device, x.dtype, w1q, w2q, quant):
                     continue
@@ -174,8 +175,20 @@ def whole_layers():
 
 
 def main():
-    if "--layer" in sys.argv[1:]:
-        whole_layers()
+    args = sys.argv[1:]
+    if "--layer" in args:
+        if "--backends" in args:
+            i = args.index("--backends")
+            if i + 1 >= len(args):
+                raise SystemExit("--backends needs a comma-separated list, e.g. triton,sm90")
+            backends = tuple(b for b in args[i + 1].split(",") if b)
+            unknown = set(backends) - {"torch", "triton", "sm90"}
+            if unknown:
+                raise SystemExit(f"--backends: unknown {sorted(unknown)}; known: torch, "
+                                 "triton, sm90")
+            whole_layers(backends)
+        else:
+            whole_layers()
         return
     cases = [
         dict(T=0, E=8, K=2, H=128, I=64),

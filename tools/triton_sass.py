@@ -2,7 +2,7 @@
 registers, spills, shared memory, and the SASS instruction mix of the kernel.
 
     python tools/triton_sass.py --scheme bf16 --block 128,256,64 --warps 8 --stages 3 \
-        [--swap-ab] [--fuse-silu] [--n 28672 --k 4096] [--sass out.sass]
+        [--swap-ab] [--fuse-silu] [--fast-acc] [--n 28672 --k 4096] [--sass out.sass]
     python tools/triton_sass.py --peer [DIR] --scheme fp8_tensor --block 128,256,128 ...
 
 --peer compiles the serving engine's fused_moe_kernel instead (extracted into DIR by
@@ -71,7 +71,9 @@ def signature(args) -> tuple[dict, dict, dict]:
                  HAS_EXPERT_MAP=False, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0,
                  FUSE_SILU=args.fuse_silu, OUT_FP8=args.fp8_out,
                  AMAX_OUT=args.fuse_silu and args.amax,
-                 ACT_ROUND=1 if args.fuse_silu else 0, INTERPRETER=False)
+                 ACT_ROUND=1 if args.fuse_silu else 0,
+                 FP8_FAST_ACC=args.fast_acc and args.scheme in ("fp8_tensor", "fp8_channel"),
+                 INTERPRETER=False)
     return _specialize(moe_gemm_kernel, ptrs, ints, const, TOKEN_DEPENDENT_ARGS)
 
 
@@ -144,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--amax", action="store_true", help="with --fuse-silu: dynamic amax out")
     p.add_argument("--n", type=int, default=28672)
     p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--fast-acc", action="store_true",
+                   help="FP8 per-tensor / per-channel: accumulate the K loop in the tensor core "
+                        "(a config's FP8_FAST_ACC)")
     p.add_argument("--sass", default=None, help="write the SASS here")
     p.add_argument("--peer", nargs="?", const="", default=None, metavar="DIR",
                    help="compile the engine's fused_moe_kernel (benchmarks/peer_vllm.py) instead")

@@ -18,7 +18,9 @@ the file. Use the file with HOPPER_MOE_CONFIG_DIR=<out> (set before hopper_moe i
 or copy it into python/hopper_moe/configs/.
 
 Search space: BLOCK_M 16/32/64/128, BLOCK_N 32..256, BLOCK_K 64/128/256, GROUP_M 1/8/16,
-SWAP_AB, ONE_SLOT_PER_BLOCK, num_warps 4/8, num_stages 2..5, pruned by `why_pruned`.
+SWAP_AB, ONE_SLOT_PER_BLOCK, num_warps 4/8, num_stages 2..5, FP8_FAST_ACC (per-tensor and
+per-channel FP8 only), pruned by `why_pruned`. A fast-accumulation candidate passes the same
+accuracy check as every other one (`judge`).
 Needs a source checkout (it loads benchmarks/common.py) and, except for --dry-run, a GPU.
 """
 from __future__ import annotations
@@ -51,7 +53,9 @@ NUM_STAGES = (2, 3, 4, 5)
 # The keys a tuned entry holds. All of them are written, so that get_config (which fills
 # missing keys from the default config of the looked-up M) runs exactly what was timed.
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SWAP_AB", "ONE_SLOT_PER_BLOCK",
-               "num_warps", "num_stages")
+               "num_warps", "num_stages", "FP8_FAST_ACC")
+# The schemes whose kernel can accumulate the whole K loop in the tensor core.
+FAST_ACC_SCHEMES = ("fp8_tensor", "fp8_channel")
 # H100/H200: 228 KB of shared memory per SM, at most 227 KB of it for one block.
 SMEM_LIMIT = 227 * 1024
 # Acceptance of a candidate's output against the fp32 reference: relative error (norm) at
@@ -104,6 +108,8 @@ def why_pruned(cfg: dict, scheme: str, m: int | None = None, top_k: int = 1,
         return "fp8_block needs BLOCK_K = 128, BLOCK_N <= 128"
     if cfg["ONE_SLOT_PER_BLOCK"] and (cfg["BLOCK_M"] != 16 or cfg["GROUP_M"] != 1):
         return "one slot per block: BLOCK_M 16, GROUP_M 1"
+    if cfg["FP8_FAST_ACC"] and scheme not in FAST_ACC_SCHEMES:
+        return "fast accumulation: per-tensor / per-channel FP8 only"
     if m is None:
         return None
     # An expert receives at most m rows (a token picks an expert once).
@@ -129,21 +135,22 @@ def all_configs() -> list[dict]:
     """The product of every option before pruning (one slot per block only exists with
     BLOCK_M 16 and GROUP_M 1: the block holds one row, nothing to group)."""
     out = []
-    for bm, bn, bk, gm, swap, one, nw, ns in itertools.product(
+    for bm, bn, bk, gm, swap, one, nw, ns, fast in itertools.product(
             BLOCK_MS, BLOCK_NS, BLOCK_KS, GROUP_MS, (False, True), (False, True), NUM_WARPS,
-            NUM_STAGES):
+            NUM_STAGES, (False, True)):
         if one and (bm != 16 or gm != 1):
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, SWAP_AB=swap,
-                        ONE_SLOT_PER_BLOCK=one, num_warps=nw, num_stages=ns))
+                        ONE_SLOT_PER_BLOCK=one, num_warps=nw, num_stages=ns, FP8_FAST_ACC=fast))
     return out
 
 
 def quick_configs() -> list[dict]:
-    """A hand-picked subset of all_configs() (60 before pruning) for a tuning pass of a few
-    minutes: swap-AB tiles of 16/32/64 token rows for decode, the one-slot tiles, and the
+    """A hand-picked subset of all_configs() (71 before pruning) for a tuning pass of a few
+    minutes: swap-AB tiles of 16/32/64 token rows for decode, the one-slot tiles, the
     standard-mapping tiles that win at large M on Hopper (64/128 x 128/256, 8 warps, 3-4
-    stages)."""
+    stages), and the large ones again with FP8 fast accumulation (pruned for the other
+    schemes), which keeps 128 x 256 tiles free of spills."""
     rows = [(bm, bn, bk, 1, True, False, 4, ns)
             for bm in (16, 32, 64) for bn in (64, 128) for bk in (128, 256) for ns in (3, 4, 5)]
     rows += [(16, bn, bk, 1, True, True, 4, ns)
@@ -156,6 +163,8 @@ def quick_configs() -> list[dict]:
              (128, 256, 64, 16, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 3),
              (128, 256, 64, 1, False, False, 8, 4), (128, 256, 128, 16, False, False, 8, 4),
              (128, 128, 128, 16, False, False, 8, 4), (64, 256, 128, 8, False, False, 8, 4)]
+    rows = [r + (False,) for r in rows]
+    rows += [r[:-1] + (True,) for r in rows if r[0] >= 64 and not r[4] and r[6] == 8]
     return [dict(zip(CONFIG_KEYS, r)) for r in rows]
 
 
@@ -182,6 +191,7 @@ def baseline_config(m: int, top_k: int, num_experts: int, scheme: str) -> dict:
     """The first candidate: the default heuristic's config (what runs without a tuned file)."""
     cfg = dict(configs.default_config(m, top_k, num_experts, scheme))
     cfg.setdefault("ONE_SLOT_PER_BLOCK", False)
+    cfg.setdefault("FP8_FAST_ACC", False)
     return {k: cfg[k] for k in CONFIG_KEYS}
 
 

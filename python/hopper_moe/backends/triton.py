@@ -161,6 +161,7 @@ def invoke_moe_gemm(a, b, c, a_scale, stride_as, b_scale, topk_weights, routing:
         k % config["BLOCK_K"] == 0, n % config["BLOCK_N"] == 0,
         fuse_silu, fuse_silu and c.dtype == ops.FP8_DTYPE, amax_out,
         _ROUND_CODES.get(round_dtype, 0) if fuse_silu else 0,
+        bool(config.get("FP8_FAST_ACC", False)) and mode in (_QUANT_TENSOR, _QUANT_CHANNEL),
         settings.TRITON_INTERPRET,
     )
     scalars = static[:2] + (num_slots, routing.sorted_ids.numel()) + static[2:]

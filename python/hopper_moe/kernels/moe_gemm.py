@@ -35,6 +35,13 @@ scale of C, so the quantization of C needs no amax pass of its own. ACT_ROUND (1
 and the product, each to the layer's 16-bit dtype; an FP8 requantization would otherwise turn
 those sub-ulp differences into whole fp8 steps against vLLM's results.
 
+FP8_FAST_ACC (per-tensor and per-channel FP8 only; a config's "FP8_FAST_ACC": true): the whole
+K loop accumulates in the tensor core, as the serving engine's kernel does, instead of adding
+each K tile's product to fp32 registers of its own. That saves the second accumulator tile
+(128 x 256 tiles at 8 warps spill without it: tools/triton_sass.py) at the cost of the tensor
+core's FP8 accumulation precision. Tables set it only where hopper_moe.tune's accuracy check
+accepts it (the shipped H200 ones: qwen3_30b-sized FP8 per-tensor prefill rows).
+
 INTERPRETER is set only under TRITON_INTERPRET=1. The CPU interpreter (Triton 3.8) computes a
 bf16 tl.dot wrongly and converts fp32 to bf16 by truncation, so there the operands are widened
 to fp32 first and the output is rounded to nearest-even by hand; compiled kernels skip both.
@@ -94,6 +101,7 @@ def moe_gemm_kernel(
     OUT_FP8: tl.constexpr,
     AMAX_OUT: tl.constexpr,
     ACT_ROUND: tl.constexpr,
+    FP8_FAST_ACC: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     # Grouped ordering of (m, n) tiles so that consecutive programs share weight tiles in L2.
@@ -211,8 +219,9 @@ def moe_gemm_kernel(
         if INTERPRETER:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if QUANT == 0:
-            # bf16/fp16: accumulate in the MMA itself.
+        if QUANT == 0 or (FP8_FAST_ACC and QUANT != 3):
+            # bf16/fp16, or FP8 with fast accumulation (per-tensor / per-channel scales):
+            # accumulate in the MMA itself.
             if SWAP_AB:
                 acc = tl.dot(b, a, acc)
             else:
@@ -234,7 +243,7 @@ def moe_gemm_kernel(
                 acc += part * b_s[:, None] * a_s[None, :]
             else:
                 acc += part * a_s[:, None] * b_s[None, :]
-        elif QUANT != 0:
+        elif QUANT != 0 and not FP8_FAST_ACC:
             acc += part
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk

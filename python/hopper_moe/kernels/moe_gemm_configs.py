@@ -1,7 +1,9 @@
 """Tile configs of the Triton MoE GEMM, chosen from a finite set of token-count buckets.
 
 A config is a dict: BLOCK_M/N/K, GROUP_M, SWAP_AB, num_warps, num_stages and optionally
-ONE_SLOT_PER_BLOCK (skip the alignment; tiny batches). Lookup order:
+ONE_SLOT_PER_BLOCK (skip the alignment; tiny batches) and FP8_FAST_ACC (per-tensor /
+per-channel FP8: accumulate the K loop in the tensor core; see kernels/moe_gemm.py; set only
+where the tuner's accuracy check accepted it). Lookup order:
   1. a JSON file named as vLLM names its tuned files,
      `E={E},N={I},device_name={dev}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json`, keyed by M
      (nearest key wins), in $HOPPER_MOE_CONFIG_DIR (user files win; read once, at import,
