@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
+import peer_cutlass  # noqa: E402  (compiles nothing until a CUTLASS row runs)
 
 BASELINE = "torch"
 CANDIDATE_BACKENDS = ["torch", "triton", "cute", "auto"]
@@ -40,6 +41,11 @@ PEER = "peer"
 # The peer's tile choices (peer_vllm.VARIANTS): the engine's own, its default rule, swap-AB
 # flipped. The summary's "best × peer" takes the fastest peer row that ran.
 PEER_BACKENDS = {"peer": "engine", "peer_default": "default", "peer_swap": "swap"}
+# --gemm-only --backends ...,cutlass_coop,cutlass_pingpong: a CUTLASS 3.x ptr-array grouped
+# GEMM from the same headers (peer_cutlass.py), GEMM-only; the summary's "best × cutlass"
+# takes the fastest of them. Like the peer, never a row's best.
+CUTLASS_BACKENDS = tuple(peer_cutlass.BACKENDS)
+NOT_OURS = ("reference", READ_CONTROL, *PEER_BACKENDS, *CUTLASS_BACKENDS)
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
 
@@ -157,6 +163,12 @@ class Lib:
             return read_control.gemm_only_read(x, w1, w2, ti)
         if backend in PEER_BACKENDS:
             return None, "the peer's GEMMs are not timed alone"
+        if backend in CUTLASS_BACKENDS:
+            try:
+                fn = peer_cutlass.gemm_pair(backend, scheme, x, w1, w2, ti)
+            except NotImplementedError as exc:
+                return None, C.short_error(exc, 100)
+            return fn, "CUTLASS " + fn.variant
         hook = getattr(self.module("api"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
             try:
@@ -425,8 +437,10 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
     hopper_moe's backends, its speed against torch and, when the peer ran, against the peer
     (peer µs / best µs: above 1 is faster than the peer)."""
     with_peer = any(b in PEER_BACKENDS for b in backends)
+    with_cutlass = any(b in CUTLASS_BACKENDS for b in backends)
     headers = ["shape", "dtype", "M", "floor µs"] + [f"{b} µs (%fl)" for b in backends] + \
-              ["best", "best × torch"] + (["best × peer"] if with_peer else []) + ["max err"]
+              ["best", "best × torch"] + (["best × peer"] if with_peer else []) + \
+              (["best × cutlass"] if with_cutlass else []) + ["max err"]
     keyed: dict[tuple, dict[str, dict]] = {}
     order: list[tuple] = []
     for r in rows:
@@ -440,8 +454,7 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
         by = keyed[k]
         any_r = next(iter(by.values()))
         cells = [k[0], k[1], str(k[2]), C.fmt(any_r["floor_us"])]
-        timed = {b: r for b, r in by.items()
-                 if r.get("us") and b not in ("reference", READ_CONTROL, *PEER_BACKENDS)}
+        timed = {b: r for b, r in by.items() if r.get("us") and b not in NOT_OURS}
         for b in backends:
             r = by.get(b)
             if r is None:
@@ -458,8 +471,12 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
                 peer = min((by[b]["us"] for b in PEER_BACKENDS if by.get(b, {}).get("us")),
                            default=None)
                 cells.append(C.fmt(peer / timed[best]["us"], ".2f") if peer else "—")
+            if with_cutlass:
+                cut = min((by[b]["us"] for b in CUTLASS_BACKENDS if by.get(b, {}).get("us")),
+                          default=None)
+                cells.append(C.fmt(cut / timed[best]["us"], ".2f") if cut else "—")
         else:
-            cells += ["—", "—"] + (["—"] if with_peer else [])
+            cells += ["—", "—"] + (["—"] if with_peer else []) + (["—"] if with_cutlass else [])
         errs = [r["rel_err"] for r in by.values() if r.get("rel_err") is not None]
         cells.append(C.fmt_err(max(errs)) if errs else "—")
         out.append(cells)
@@ -586,6 +603,8 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
         return lib.gemm_only(backend, scheme, x, w1, w2, tw, ti, quant)
     if backend == READ_CONTROL:
         return None, "the read control runs with --gemm-only only"
+    if backend in CUTLASS_BACKENDS:
+        return None, "the CUTLASS peer runs with --gemm-only only"
 
     def fn():
         return lib.fused_experts(x, w1, w2, tw, ti, quant, backend)

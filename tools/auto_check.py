@@ -13,7 +13,8 @@ import json
 import sys
 
 
-NOT_CHOOSABLE = ("auto", "peer", "peer_default", "peer_swap", "read", "reference")
+NOT_CHOOSABLE = ("auto", "peer", "peer_default", "peer_swap", "read", "reference",
+                 "cutlass_coop", "cutlass_coop_promoted", "cutlass_pingpong")
 
 
 def main(argv=None) -> int:

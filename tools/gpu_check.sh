@@ -3,7 +3,7 @@
 # Uses the machine's own python3/PyTorch; CUTLASS comes from wheels in .whl/ when there is no
 # registry (pip install --no-deps nvidia-cutlass==4.2.0.0 -d .whl).
 #   OUT=/tmp/out bash tools/gpu_check.sh [build|test|bench|stages|tune|sanitize|cmake ...]
-#   [host|warmup|oracle|vllm ...]   (default: build test bench sanitize cmake)
+#   [host|warmup|oracle|vllm|cutlass ...]   (default: build test bench sanitize cmake)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hopper_moe_out}
@@ -75,6 +75,14 @@ for step in $steps; do
         --out $res --tag auto_check 2>&1 | tail -5
       python3 tools/auto_check.py $res/*auto_check.json | tee "$OUT/auto_check.md" | tail -15
       cp $res/*auto_check.md "$OUT/" ;;
+    cutlass)
+      # The CUTLASS grouped-GEMM peer (benchmarks/peer_cutlass.py: built here on first use)
+      # beside the GEMM-only rows; CUTLASS_ARGS replaces bench_moe's arguments.
+      python3 benchmarks/peer_cutlass.py build 2>&1 | tail -1
+      res=/tmp/hopper_moe_cutlass; rm -rf $res; mkdir -p $res
+      python3 benchmarks/bench_moe.py --gemm-only ${CUTLASS_ARGS:---shapes mixtral,qwen3_30b,deepseek_v3_tp8 --dtypes bf16,fp8_tensor --m 256,1024,4096 --backends cute,cutlass_coop,cutlass_coop_promoted,cutlass_pingpong} \
+        --out $res --tag gemm_cutlass 2>&1 | tee "$OUT/bench_cutlass.log" | tail -30
+      tar czf "$OUT/cutlass.tgz" -C $res . ;;
     stages)
       # The Triton layer stage by stage, replay by replay (benchmarks/bench_stages.py);
       # STAGES_ARGS replaces its arguments.

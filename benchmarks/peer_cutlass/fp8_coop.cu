@@ -1,0 +1,12 @@
+// The peer's FP8 kernel with fast accumulation (the tensor core accumulates all of K),
+// cooperative: tile 256 x 128 x 128, cluster 1 x 2 x 1.
+#include "grouped_gemm.cuh"
+
+namespace peer_cutlass {
+PEER_CUTLASS_VARIANT(fp8_coop,
+                     cutlass::float_e4m3_t,
+                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+                     cute::Shape<cute::_256, cute::_128, cute::_128>,
+                     cute::Shape<cute::_1, cute::_2, cute::_1>)
+}  // namespace peer_cutlass
