@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -119,8 +120,9 @@ def gemm_pair(backend: str, scheme: str, x: torch.Tensor, w1: torch.Tensor, w2: 
     a2 = (torch.randn(a1.shape[0], two_i // 2, device=x.device, generator=gen) * 0.5).to(dtype)
     d1 = torch.empty(a1.shape[0], two_i, dtype=torch.bfloat16, device=x.device)
     d2 = torch.empty(a1.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
-    h1 = mod.prepare(variant, a1, w1.contiguous(), d1, counts)
-    h2 = mod.prepare(variant, a2, w2.contiguous(), d2, counts)
+    w1, w2 = w1.contiguous(), w2.contiguous()  # the plans hold their addresses: keep them
+    h1 = mod.prepare(variant, a1, w1, d1, counts)
+    h2 = mod.prepare(variant, a2, w2, d2, counts)
     keep = (a1, a2, d1, d2, w1, w2)
     mod.run(h1)
     mod.run(h2)
@@ -132,6 +134,8 @@ def gemm_pair(backend: str, scheme: str, x: torch.Tensor, w1: torch.Tensor, w2: 
         mod.run(h2)
         return keep[2], keep[3]
     run.variant = variant  # type: ignore[attr-defined]
+    for handle in (h1, h2):  # the plans (device arrays, workspace) go with the callable
+        weakref.finalize(run, mod.release, handle)
     return run
 
 
