@@ -22,18 +22,9 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "third_party"))
-from find_cutlass import cutlass_include_dirs  # noqa: E402
+from find_cutlass import cutlass_include_dirs, nvidia_include_dirs  # noqa: E402
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
-
-
-def _nvidia_include_dirs() -> list[str]:
-    """Headers PyTorch's CUDA headers include (cusparse.h, cublas_v2.h) that pip puts under
-    site-packages/nvidia/*/include rather than in the CUDA toolkit."""
-    import torch
-
-    site = Path(torch.__file__).resolve().parent.parent
-    return sorted(str(p) for p in (site / "nvidia").glob("*/include") if p.is_dir())
 
 
 def _sources(pattern: str) -> list[str]:
@@ -61,7 +52,7 @@ if cpu_only:
         "hopper_moe._C", cpp_sources, include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags})
 else:
-    include_dirs += cutlass_include_dirs() + _nvidia_include_dirs()
+    include_dirs += cutlass_include_dirs() + nvidia_include_dirs()
     cuda_sources = _sources("csrc/ops/*.cu") + _sources("csrc/instantiations/*.cu")
     defines = ["-DHOPPER_MOE_WITH_CUDA"]
     nvcc_flags = [

@@ -58,7 +58,7 @@ def load(verbose: bool = False):
     """The compiled module (compiles on first use; a later process reuses the build)."""
     from torch.utils.cpp_extension import load as load_ext
     sys.path.insert(0, str(HERE.parent / "third_party"))
-    from find_cutlass import cutlass_include_dirs
+    from find_cutlass import cutlass_include_dirs, nvidia_include_dirs
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     sources = sorted(str(p) for p in SOURCES.glob("*.cu"))
@@ -66,24 +66,20 @@ def load(verbose: bool = False):
              "--expt-extended-lambda", "-gencode=arch=compute_90a,code=sm_90a",
              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
              "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"]
-    # Headers PyTorch's CUDA headers include (cusparse.h, ...) that pip installs under
-    # site-packages/nvidia/*/include (as setup.py adds them).
-    site = Path(torch.__file__).resolve().parent.parent
-    nvidia = sorted(str(p) for p in (site / "nvidia").glob("*/include") if p.is_dir())
     return load_ext(name="hopper_moe_peer_cutlass", sources=sources,
-                    extra_include_paths=[str(SOURCES)] + cutlass_include_dirs() + nvidia,
+                    extra_include_paths=[str(SOURCES)] + cutlass_include_dirs()
+                    + nvidia_include_dirs(),
                     extra_cuda_cflags=flags, build_directory=str(out), verbose=verbose)
 
 
 def expert_rows(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """(token index of each slot in expert order, rows per expert) for in-range ids."""
-    ids = topk_ids.reshape(-1).long()
-    valid = (ids >= 0) & (ids < num_experts)
-    key = torch.where(valid, ids, num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    kept = order[: int(counts.sum())]
-    return kept // topk_ids.shape[1], [int(c) for c in counts.tolist()]
+    """(token index of each slot in expert order, rows per expert) for in-range ids: the torch
+    backend's grouping (hopper_moe.backends.torch.sort_slots_by_expert), with the counts on the
+    host for the plans."""
+    from hopper_moe.backends.torch import sort_slots_by_expert
+    order, _, _, offs = sort_slots_by_expert(topk_ids, num_experts, num_experts, None)
+    ends = [0] + [int(v) for v in offs.tolist()]
+    return order[: ends[-1]] // topk_ids.shape[1], [b - a for a, b in zip(ends, ends[1:])]
 
 
 def check_groups(a: torch.Tensor, w: torch.Tensor, d: torch.Tensor, counts: list[int],

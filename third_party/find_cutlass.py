@@ -43,6 +43,16 @@ def cutlass_include_dirs() -> list[str]:
     raise RuntimeError(f"the nvidia-cutlass package at {root} has no source/include/cute")
 
 
+def nvidia_include_dirs() -> list[str]:
+    """Headers PyTorch's CUDA headers include (cusparse.h, cublas_v2.h) that pip puts under
+    site-packages/nvidia/*/include rather than in the CUDA toolkit (setup.py's build and the
+    benchmarks' extension builds add them)."""
+    import torch
+
+    site = Path(torch.__file__).resolve().parent.parent
+    return sorted(str(p) for p in (site / "nvidia").glob("*/include") if p.is_dir())
+
+
 if __name__ == "__main__":
     try:
         print("\n".join(cutlass_include_dirs()))
