@@ -45,6 +45,9 @@ PEER_BACKENDS = {"peer": "engine", "peer_default": "default", "peer_swap": "swap
 # GEMM from the same headers (peer_cutlass.py), GEMM-only; the summary's "best × cutlass"
 # takes the fastest of them. Like the peer, never a row's best.
 CUTLASS_BACKENDS = tuple(peer_cutlass.BACKENDS)
+# Starts the error of a row whose backend has no variant for its scheme (the table shows n/a,
+# not fail).
+NOT_APPLICABLE = "not applicable: "
 NOT_OURS = ("reference", READ_CONTROL, *PEER_BACKENDS, *CUTLASS_BACKENDS)
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
@@ -99,6 +102,21 @@ class Lib:
             return importlib.import_module(f"hopper_moe.{name}")
         except Exception:  # noqa: BLE001
             return None
+
+    def unsupported(self, backend: str, x, w1, w2, quant) -> str | None:
+        """Why hopper_moe's `backend` cannot run this row (the backend's own supports(), as
+        "auto" asks it), or None: a row it cannot run is not attempted (a failed call just
+        before a row was seen to slow that row by 5-11%)."""
+        api = self.module("api")
+        table = getattr(api, "_BACKENDS", None)
+        canonical = getattr(api, "_canonical", None)
+        if table is None or canonical is None:
+            return None
+        entry = table.get(canonical(backend))
+        if entry is None or not hasattr(entry, "supports") or \
+                entry.supports(x.device, x.dtype, w1, w2, quant):
+            return None
+        return f"backend {backend!r} does not run this scheme or shape"
 
     def reference(self, x, w1, w2, tw, ti, quant):
         """fp32 output: the reference gets fp32 hidden states (an exact upcast of the bf16
@@ -167,7 +185,7 @@ class Lib:
             try:
                 fn = peer_cutlass.gemm_pair(backend, scheme, x, w1, w2, ti)
             except NotImplementedError as exc:
-                return None, C.short_error(exc, 100)
+                return None, NOT_APPLICABLE + C.short_error(exc, 100)
             return fn, "CUTLASS " + fn.variant
         hook = getattr(self.module("api"), "make_gemm_only", None)
         if hook is not None and not self.selftest:
@@ -460,7 +478,7 @@ def compact_table(rows: list[dict[str, Any]], backends: list[str]) -> tuple[list
             if r is None:
                 cells.append("")
             elif r.get("us") is None:
-                cells.append("fail")
+                cells.append("n/a" if NOT_APPLICABLE in str(r.get("error") or "") else "fail")
             else:
                 cells.append(f"{r['us']:.1f} ({r['pct_floor']:.0f}%)")
         if timed:
@@ -599,6 +617,9 @@ def row_fn(lib: Lib, backend: str, scheme: str, x, tw, ti, gemm_only: bool, w1, 
            ) -> tuple[Callable[[], Any] | None, str]:
     """The zero-argument callable a row times on these weights (the layer, or GEMM1 + GEMM2
     with gemm_only) and how it runs; (None, why not) when GEMM-only is not possible."""
+    why = None if backend in NOT_OURS else lib.unsupported(backend, x, w1, w2, quant)
+    if why is not None:
+        return None, NOT_APPLICABLE + why
     if gemm_only:
         return lib.gemm_only(backend, scheme, x, w1, w2, tw, ti, quant)
     if backend == READ_CONTROL:

@@ -71,6 +71,10 @@ using OptTensor = std::optional<at::Tensor>;
   void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,                    \
                                const at::Tensor& scale,                                        \
                                std::optional<at::IntArrayRef> group_shape);                    \
+  void fp8_quant_rows(at::Tensor& result, const at::Tensor& input, at::Tensor& scale,          \
+                      c10::string_view kind, int64_t group_size, const OptTensor& slot_ids,    \
+                      const OptTensor& expert_map, int64_t num_experts,                        \
+                      const OptTensor& row_end);                                               \
   void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,                   \
                                 at::Tensor& scale);                                            \
   void dynamic_per_token_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,         \

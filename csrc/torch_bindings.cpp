@@ -96,6 +96,19 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.def(
       "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
       "int[]? group_shape=None) -> ()");
+  // hopper_moe's own: FP8 quantization of the rows of a layer's intermediate [R, K] that
+  // GEMM1 wrote; other rows (and their scales) are neither read nor written. kind:
+  // "static_tensor" (scale [1], read: static_scaled_fp8_quant), "per_token" (scale [R, 1],
+  // written: dynamic_per_token_scaled_fp8_quant without scale_ub) or "per_group" (scale
+  // [R, K / group_size], written: per_token_group_fp8_quant's defaults); group_size is used
+  // by "per_group" only. slot_ids (row r is slot r): a row counts when 0 <= slot_ids[r] <
+  // num_experts and, with expert_map [num_experts] int32, expert_map[slot_ids[r]] >= 0.
+  // row_end (int64, one element; rows sorted by expert): rows r < row_end[0] count. Exactly
+  // one of the two.
+  m.def(
+      "fp8_quant_rows(Tensor! result, Tensor input, Tensor(a!) scale, str kind, "
+      "int group_size, Tensor? slot_ids, Tensor? expert_map, int num_experts, "
+      "Tensor? row_end) -> ()");
   m.def("dynamic_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale) -> ()");
   m.def(
       "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale, "
@@ -163,6 +176,7 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("silu_and_mul", &ns::silu_and_mul);                                                  \
   m.impl("silu_and_mul_quant", &ns::silu_and_mul_quant);                                      \
   m.impl("static_scaled_fp8_quant", &ns::static_scaled_fp8_quant);                            \
+  m.impl("fp8_quant_rows", &ns::fp8_quant_rows);                                              \
   m.impl("dynamic_scaled_fp8_quant", &ns::dynamic_scaled_fp8_quant);                          \
   m.impl("dynamic_per_token_scaled_fp8_quant", &ns::dynamic_per_token_scaled_fp8_quant);      \
   m.impl("per_token_group_fp8_quant", &ns::per_token_group_fp8_quant);                        \

@@ -50,6 +50,31 @@ def test_no_variant_is_a_clear_refusal():
                                torch.zeros(2, 1, dtype=torch.long))
 
 
+def test_a_row_a_backend_cannot_run_is_not_attempted_and_reads_n_a():
+    """No variant (CUTLASS) or not supported (hopper_moe's backend, asked as "auto" asks):
+    the row is never called and the table says n/a, not fail."""
+    x = torch.zeros(2, 128)
+    w1, w2 = torch.zeros(4, 64, 128), torch.zeros(4, 128, 32)
+    ti = torch.zeros(2, 1, dtype=torch.long)
+    lib = bench_moe.Lib(selftest=False)
+    fn, how = bench_moe.row_fn(lib, "cutlass_coop_promoted", "bf16", x, None, ti, True, w1,
+                               w2, None)
+    assert fn is None and how.startswith(bench_moe.NOT_APPLICABLE)
+    from hopper_moe.quant import make_quant_config
+    w1q, w2q, quant = make_quant_config(torch.randn(4, 256, 128), torch.randn(4, 128, 128),
+                                        "fp8_block")
+    fn, how = bench_moe.row_fn(lib, "cute", "fp8_block", x.bfloat16(), None, ti, False, w1q,
+                               w2q, quant)
+    assert fn is None and how.startswith(bench_moe.NOT_APPLICABLE)  # no block FP8 in sm90
+    rows = [dict(shape="s", dtype="bf16", M=2, backend=b, us=us, pct_floor=1.0, floor_us=1.0,
+                 rel_err=None, error=err) for b, us, err in
+            (("triton", 10.0, None), ("cute", None, "x" + how),
+             ("cutlass_coop", None, "failed: boom"))]
+    headers, table = bench_moe.compact_table(rows, ["triton", "cute", "cutlass_coop"])
+    line = dict(zip(headers, table[0]))
+    assert line["cute µs (%fl)"] == "n/a" and line["cutlass_coop µs (%fl)"] == "fail"
+
+
 def test_the_summary_compares_against_the_fastest_cutlass_row():
     def row(backend, us):
         return dict(shape="s", dtype="bf16", M=64, backend=backend, us=us, pct_floor=50.0,

@@ -61,6 +61,9 @@ OWN = [
     "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
     "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
     'Tensor? w2_scales, bool offsets_ready=False, str config="") -> ()',
+    "fp8_quant_rows(Tensor! result, Tensor input, Tensor(a!) scale, str kind, "
+    "int group_size, Tensor? slot_ids, Tensor? expert_map, int num_experts, "
+    "Tensor? row_end) -> ()",
 ]
 
 

@@ -4,6 +4,7 @@
 // contiguous, leading dimensions collapsing into one row stride. result / output_q have
 // input's shape, dtype float8_e4m3fn, and may be row-strided the same way.
 #include <cmath>
+#include <limits>
 
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/common/fp8.cuh"
@@ -41,6 +42,67 @@ void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
   const auto rows = quant::rows_view(kOp, input, "input");
   quant::resolve_static_groups(kOp, rows.num_rows, rows.row_len, scale, group_shape);
   check_no_overlap_named(kOp, result, "result", scale, "scale");
+}
+
+void fp8_quant_rows(at::Tensor& result, const at::Tensor& input, at::Tensor& scale,
+                    c10::string_view kind, int64_t group_size, const OptTensor& slot_ids,
+                    const OptTensor& expert_map, int64_t num_experts, const OptTensor& row_end) {
+  constexpr const char* kOp = "fp8_quant_rows";
+  const auto q = quant::parse_rows_quant(kOp, kind);
+  check_quant_io(kOp, result, "result", input);
+  check_scale_f32(kOp, scale, "scale", input);
+  const auto rows = quant::rows_view(kOp, input, "input");
+  if (q == quant::RowsQuant::kStaticTensor) {
+    check_numel_named(kOp, scale, "scale", 1, "one per-tensor scale");
+  } else if (q == quant::RowsQuant::kPerToken) {
+    HM_CHECK(kOp, scale.dim() == 2 && scale.size(0) == rows.num_rows && scale.size(1) == 1,
+             "scale must have shape [", rows.num_rows, ", 1] (one scale per row of input), got ",
+             scale.sizes());
+    check_contiguous_named(kOp, scale, "scale");
+  } else {
+    HM_CHECK(kOp, group_size >= 1 && rows.row_len % group_size == 0,
+             "group_size must be >= 1 and divide the row length ", rows.row_len, " (got ",
+             group_size, ")");
+    const int64_t groups = rows.row_len / group_size;
+    HM_CHECK(kOp, scale.dim() == 2 && scale.size(0) == rows.num_rows && scale.size(1) == groups,
+             "scale must have shape [", rows.num_rows, ", ", groups,
+             "] (one scale per row and group of group_size columns), got ", scale.sizes());
+    check_contiguous_named(kOp, scale, "scale");
+  }
+  HM_CHECK(kOp, slot_ids.has_value() != row_end.has_value(),
+           "exactly one of slot_ids and row_end must be given (got ",
+           slot_ids.has_value() ? "both" : "neither", ")");
+  if (slot_ids.has_value()) {
+    HM_CHECK(kOp, slot_ids->scalar_type() == at::kInt || slot_ids->scalar_type() == at::kLong,
+             "slot_ids must be int32 or int64, got ", slot_ids->scalar_type());
+    check_same_device_named(kOp, *slot_ids, "slot_ids", input, "input");
+    check_contiguous_named(kOp, *slot_ids, "slot_ids");
+    check_numel_named(kOp, *slot_ids, "slot_ids", rows.num_rows, "one id per row of input");
+    HM_CHECK(kOp, num_experts >= 0 && num_experts <= std::numeric_limits<int32_t>::max(),
+             "num_experts must be in [0, 2^31-1] (got ", num_experts, ")");
+    if (expert_map.has_value()) {
+      check_dtype_named(kOp, *expert_map, "expert_map", at::kInt);
+      check_same_device_named(kOp, *expert_map, "expert_map", input, "input");
+      check_contiguous_named(kOp, *expert_map, "expert_map");
+      check_numel_named(kOp, *expert_map, "expert_map", num_experts,
+                        "one entry per expert id (num_experts)");
+    }
+  } else {
+    HM_CHECK(kOp, !expert_map.has_value(), "expert_map is only taken with slot_ids");
+    check_dtype_named(kOp, *row_end, "row_end", at::kLong);
+    check_same_device_named(kOp, *row_end, "row_end", input, "input");
+    check_numel_named(kOp, *row_end, "row_end", 1, "the number of leading rows that count");
+  }
+  const Named read_only[] = {{slot_ids, "slot_ids"}, {expert_map, "expert_map"},
+                             {row_end, "row_end"}};
+  if (q == quant::RowsQuant::kStaticTensor) {
+    check_outputs_disjoint(kOp, {{result, "result"}},
+                           {{scale, "scale"}, read_only[0], read_only[1], read_only[2]});
+  } else {
+    check_no_zero_stride_output_named(kOp, scale, "scale");
+    check_outputs_disjoint(kOp, {{result, "result"}, {scale, "scale"}},
+                           {{input, "input"}, read_only[0], read_only[1], read_only[2]});
+  }
 }
 
 void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::Tensor& scale) {

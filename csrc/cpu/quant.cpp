@@ -63,6 +63,59 @@ void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
   });
 }
 
+void fp8_quant_rows(at::Tensor& result, const at::Tensor& input, at::Tensor& scale,
+                    c10::string_view kind, int64_t group_size, const OptTensor& slot_ids,
+                    const OptTensor& expert_map, int64_t num_experts, const OptTensor& row_end) {
+  constexpr const char* kOp = "fp8_quant_rows";
+  check::fp8_quant_rows(result, input, scale, kind, group_size, slot_ids, expert_map,
+                        num_experts, row_end);
+  if (input.numel() == 0) return;
+  const auto q = quant::parse_rows_quant(kOp, kind);
+  const auto in_rows = quant::rows_view(kOp, input, "input");
+  const auto out_rows = quant::rows_view(kOp, result, "result");
+  const int64_t k = in_rows.row_len;
+  // Per token: one group of k columns with the per-token formula; per tensor: one scale.
+  const int64_t g = q == quant::RowsQuant::kPerGroup ? group_size : k;
+  const int64_t groups_per_row = k / g;
+  uint8_t* out = static_cast<uint8_t*>(result.data_ptr());
+  float* scales = scale.data_ptr<float>();
+  HM_QUANT_DISPATCH_INPUT(input, kOp, [&] {
+    const scalar_t* in = input.const_data_ptr<scalar_t>();
+    // Only the rows that count (row_filter.cuh), and their scales, are read and written.
+    quant::visit_row_filter(slot_ids, expert_map, num_experts, row_end, [&](auto counts) {
+      at::parallel_for(0, in_rows.num_rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          if (!counts(r)) continue;
+          for (int64_t grp = 0; grp < groups_per_row; ++grp) {
+            const scalar_t* x = in + r * in_rows.row_stride + grp * g;
+            uint8_t* qr = out + r * out_rows.row_stride + grp * g;
+            if (q == quant::RowsQuant::kStaticTensor) {
+              const float inv_scale = 1.0f / scales[0];
+              for (int64_t j = 0; j < g; ++j) {
+                qr[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(x[j]) * inv_scale));
+              }
+            } else if (q == quant::RowsQuant::kPerToken) {
+              const float s = fmaxf(row_amax(x, g, 0.0f) / fp8::kE4M3Max, fp8::kMinScale);
+              scales[r] = s;
+              for (int64_t j = 0; j < g; ++j) {
+                qr[j] = fp8::e4m3_bits(fp8::clamp_e4m3(static_cast<float>(x[j]) / s));
+              }
+            } else {
+              const float s =
+                  fp8::group_scale(row_amax(x, g, quant::kRowsGroupEps), fp8::kE4M3Max);
+              scales[r * groups_per_row + grp] = s;
+              for (int64_t j = 0; j < g; ++j) {
+                qr[j] = fp8::e4m3_bits(fp8::clamp_range(static_cast<float>(x[j]) / s,
+                                                        -fp8::kE4M3Max, fp8::kE4M3Max));
+              }
+            }
+          }
+        }
+      });
+    });
+  });
+}
+
 void dynamic_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input, at::Tensor& scale) {
   constexpr const char* kOp = "dynamic_scaled_fp8_quant";
   check::dynamic_scaled_fp8_quant(result, input, scale);

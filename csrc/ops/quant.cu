@@ -43,18 +43,19 @@ bool can_vectorize(const void* in, int64_t in_rs, const void* out, int64_t out_r
          quant::rows_aligned(out, out_rs, 1, kN);
 }
 
-template <typename T, bool kPerTensor>
+template <typename T, bool kPerTensor, class Rows = quant::AllRows>
 void launch_scaled_quant(uint8_t* out, const T* in, const float* scale,
                          const quant::RowsView& in_rows, int64_t out_rs,
-                         const quant::StaticScaleGroups& g, bool vec, cudaStream_t stream) {
+                         const quant::StaticScaleGroups& g, bool vec, cudaStream_t stream,
+                         Rows rows = Rows{}) {
   const int64_t units = vec ? in_rows.row_len / quant::kVecElems<T> : in_rows.row_len;
   const dim3 grid = rows_grid(in_rows.num_rows, units, 65535);
   // A programmatic dependent launch: it waits for the kernel before it.
-  C10_CUDA_CHECK(pdl::launch(vec ? quant::scaled_quant_kernel<T, true, kPerTensor>
-                                 : quant::scaled_quant_kernel<T, false, kPerTensor>,
+  C10_CUDA_CHECK(pdl::launch(vec ? quant::scaled_quant_kernel<T, true, kPerTensor, Rows>
+                                 : quant::scaled_quant_kernel<T, false, kPerTensor, Rows>,
                              grid, dim3(kQuantThreads), 0, stream, out, in, scale,
                              in_rows.num_rows, in_rows.row_len, in_rows.row_stride, out_rs,
-                             g.group_m, g.group_n, g.stride_m, g.stride_n));
+                             g.group_m, g.group_n, g.stride_m, g.stride_n, rows));
 }
 
 }  // namespace
@@ -84,6 +85,58 @@ void static_scaled_fp8_quant(at::Tensor& result, const at::Tensor& input,
       launch_scaled_quant<scalar_t, false>(out, in, s, in_rows, out_rows.row_stride, groups, vec,
                                            stream);
     }
+  });
+}
+
+void fp8_quant_rows(at::Tensor& result, const at::Tensor& input, at::Tensor& scale,
+                    c10::string_view kind, int64_t group_size, const OptTensor& slot_ids,
+                    const OptTensor& expert_map, int64_t num_experts, const OptTensor& row_end) {
+  constexpr const char* kOp = "fp8_quant_rows";
+  check::fp8_quant_rows(result, input, scale, kind, group_size, slot_ids, expert_map,
+                        num_experts, row_end);
+  const auto q = quant::parse_rows_quant(kOp, kind);
+  if (input.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto in_rows = quant::rows_view(kOp, input, "input");
+  const auto out_rows = quant::rows_view(kOp, result, "result");
+  uint8_t* out = static_cast<uint8_t*>(result.data_ptr());
+  HM_QUANT_DISPATCH_INPUT(input, kOp, [&] {
+    const scalar_t* in = input.const_data_ptr<scalar_t>();
+    const int64_t vec_len = q == quant::RowsQuant::kPerGroup ? group_size : in_rows.row_len;
+    const bool vec = can_vectorize<scalar_t>(in, in_rows.row_stride, out, out_rows.row_stride,
+                                             vec_len);
+    // One launch with the row filter the arguments name.
+    auto run = [&](auto rows) {
+      using Rows = decltype(rows);
+      if (q == quant::RowsQuant::kStaticTensor) {
+        const quant::StaticScaleGroups per_tensor;  // scale[0] for every element
+        launch_scaled_quant<scalar_t, true>(out, in, scale.const_data_ptr<float>(), in_rows,
+                                            out_rows.row_stride, per_tensor, vec, stream, rows);
+      } else if (q == quant::RowsQuant::kPerToken) {
+        const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(in_rows.num_rows, 1 << 20));
+        auto kernel = vec ? quant::per_token_quant_kernel<scalar_t, true, Rows>
+                          : quant::per_token_quant_kernel<scalar_t, false, Rows>;
+        kernel<<<blocks, kQuantThreads, 0, stream>>>(out, scale.data_ptr<float>(), in, nullptr,
+                                                     in_rows.num_rows, in_rows.row_len,
+                                                     in_rows.row_stride, out_rows.row_stride,
+                                                     rows);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else {
+        const int64_t groups_per_row = in_rows.row_len / group_size;
+        const int64_t num_groups = in_rows.num_rows * groups_per_row;
+        const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(
+            (num_groups + quant::kGroupsPerBlock - 1) / quant::kGroupsPerBlock, 1 << 20));
+        auto kernel = vec ? quant::per_token_group_quant_kernel<scalar_t, true, false, Rows>
+                          : quant::per_token_group_quant_kernel<scalar_t, false, false, Rows>;
+        kernel<<<blocks, kQuantThreads, 0, stream>>>(
+            out, scale.data_ptr<float>(), in, num_groups, groups_per_row, group_size,
+            in_rows.row_stride, out_rows.row_stride, groups_per_row, 1, quant::kRowsGroupEps,
+            -fp8::kE4M3Max, fp8::kE4M3Max, rows);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    quant::visit_row_filter(slot_ids, expert_map, num_experts, row_end, run);
   });
 }
 

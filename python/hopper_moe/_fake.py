@@ -22,6 +22,7 @@ _IN_PLACE_OPS = (
     "silu_and_mul",
     "silu_and_mul_quant",
     "static_scaled_fp8_quant",
+    "fp8_quant_rows",
     "dynamic_scaled_fp8_quant",
     "dynamic_per_token_scaled_fp8_quant",
     "per_token_group_fp8_quant",

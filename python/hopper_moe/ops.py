@@ -213,6 +213,35 @@ def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None,
     return output, scale
 
 
+def fp8_quant_rows(input: torch.Tensor, kind: str, scale: torch.Tensor | None = None, *,
+                   group_size: int = 0, slot_ids: torch.Tensor | None = None,
+                   expert_map: torch.Tensor | None = None, num_experts: int = 0,
+                   row_end: torch.Tensor | None = None,
+                   output: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 quantization of the rows of a layer's intermediate ``input [R, K]`` that GEMM1
+    wrote; the other rows of the result (and of a new scale) stay unwritten, and those of
+    ``input`` are never read. kind: "static_tensor" (``scale`` [1] given), "per_token" (a new
+    scale [R, 1]) or "per_group" (a new scale [R, K / group_size]), with the formulas of
+    static_scaled_fp8_quant, dynamic_per_token_scaled_fp8_quant and per_token_group_fp8_quant.
+    The rows that count, exactly one of: ``slot_ids`` (one id per row, row r is slot r; it
+    counts when ``0 <= id < num_experts`` and, with ``expert_map`` [num_experts] int32,
+    ``expert_map[id] >= 0``) or ``row_end`` (int64, one element: rows before it count, the
+    expert offsets' last entry for rows sorted by expert). Returns (result, scale)."""
+    if input.dim() != 2:
+        raise RuntimeError(f"fp8_quant_rows: input must be 2-D (got {input.dim()}-D)")
+    rows, cols = input.shape
+    if output is None:
+        output = torch.empty((rows, cols), dtype=FP8_DTYPE, device=input.device)
+    if scale is None and kind in ("per_token", "per_group"):
+        width = 1 if kind == "per_token" else cols // group_size if group_size > 0 else 0
+        scale = torch.empty((rows, width), dtype=torch.float32, device=input.device)
+    if scale is None:
+        raise RuntimeError('fp8_quant_rows: kind "static_tensor" needs scale')
+    _ops.fp8_quant_rows(output, input, scale, kind, group_size, slot_ids, expert_map,
+                        num_experts, row_end)
+    return output, scale
+
+
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, eps: float = 1e-10,
                               dtype: torch.dtype | None = None,
                               column_major_scales: bool = False,

@@ -18,6 +18,8 @@ docstring states them; hopper_moe.reference is held to them):
   of the same rules: hopper_moe's quantization ops (the kernel backends) and plain tensor
   ops (``native=True``: the torch backend, which torch.compile must trace without custom
   ops).
+- ``quantize_written_rows``: the same rules for GEMM2's input in the kernel backends, over the
+  rows GEMM1 wrote only (rows of slots that do not count are never written, so never read).
 - ``gemm2_input``: how GEMM2's input, the SiLU*mul output, is quantized; it decides whether
   GEMM1's epilogue writes that input itself (unquantized, or a static per-tensor scale) or
   folds its amax into a dynamic per-tensor scale (``gemm1_epilogue_scale``).
@@ -51,6 +53,7 @@ __all__ = [
     "gemm_weight_scales",
     "local_expert_map",
     "quantize_activations",
+    "quantize_written_rows",
     "router_weighted_input",
     "weight_scale_3d",
 ]
@@ -149,6 +152,25 @@ def gemm1_writes_gemm2_input(quant: Optional[QuantConfig]) -> bool:
     a scale known before GEMM1 runs (a static per-tensor a2_scale). Otherwise a quantization
     step runs between the GEMMs."""
     return gemm2_input(quant) in (UNQUANTIZED, STATIC_TENSOR)
+
+
+def quantize_written_rows(act: torch.Tensor, quant: QuantConfig,
+                          static_scale: Optional[torch.Tensor], **rows
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GEMM2's input from GEMM1's 16-bit SiLU*mul output ``act [S, I]`` where a quantization
+    step runs between the GEMMs (gemm1_writes_gemm2_input is False): (fp8 ``[S, I]``, scale)
+    as quantize_activations(act, quant, static_scale) gives them, but only the rows GEMM1
+    wrote are read and written (``rows``: ops.fp8_quant_rows' slot_ids / expert_map /
+    num_experts, or row_end). Dynamic per tensor: ``static_scale`` is the scale GEMM1's
+    epilogue completed (gemm1_epilogue_scale)."""
+    kind = gemm2_input(quant)
+    if kind == DYNAMIC_TENSOR:
+        return ops.fp8_quant_rows(act, "static_tensor", static_scale, **rows)
+    if kind == PER_TOKEN:
+        return ops.fp8_quant_rows(act, "per_token", **rows)
+    if kind == PER_GROUP:
+        return ops.fp8_quant_rows(act, "per_group", group_size=int(quant.block_shape[1]), **rows)
+    raise RuntimeError(f"quantize_written_rows: GEMM1 writes GEMM2's input itself ({kind})")
 
 
 def dynamic_scale_floor(device) -> torch.Tensor:

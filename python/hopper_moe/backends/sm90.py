@@ -154,7 +154,8 @@ def _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant, offsets_re
     then one static quantization with it. Rows past offsets[E] (slots that do not count) are
     not written and never read."""
     _GEMM1(h, a1, w1g, offsets, a1_scale, w1_scale, None, offsets_ready, a2_scale)
-    return prepare.quantize_activations(h, quant, a2_scale)
+    # Only the rows before offsets[E] (those GEMM1 wrote) are read and quantized.
+    return prepare.quantize_written_rows(h, quant, a2_scale, row_end=offsets[-1:])
 
 
 def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,

@@ -262,8 +262,8 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     # itself where prepare.gemm1_writes_gemm2_input (FP8 with a static a2 scale). With a
     # dynamic per-tensor scale the epilogue maxes amax / 448 into the scale's floor instead,
     # which makes it the dynamic scale. Rows of slots that are never placed (ids outside
-    # [0, num_experts)) stay unwritten; GEMM2 never reads them, and a dynamic per-tensor scale
-    # is the amax of the written rows only.
+    # [0, num_experts)) stay unwritten; GEMM2 never reads them, a dynamic per-tensor scale
+    # is the amax of the written rows only, and its quantization pass skips the others.
     kind = prepare.gemm2_input(quant)
     act_scale = prepare.gemm1_epilogue_scale(quant, x.device)
     act_fp8 = kind == prepare.STATIC_TENSOR
@@ -277,7 +277,10 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     if prepare.gemm1_writes_gemm2_input(quant):
         a2, a2_s, a2_st = act, act_scale, (0, 0)
     else:
-        a2, a2_s = prepare.quantize_activations(act, quant, act_scale)
+        # Only the rows GEMM1 wrote are quantized (GEMM2 skips the same slots).
+        a2, a2_s = prepare.quantize_written_rows(
+            act, quant, act_scale, slot_ids=routing.topk_ids, num_experts=num_experts,
+            expert_map=None if expert_map is None else expert_map.to(torch.int32))
         a2_st = _act_scale_strides(a2_s, quant)
     mark("quant2")
     cache2 = torch.empty((num_slots, hidden), dtype=out_dtype, device=x.device)

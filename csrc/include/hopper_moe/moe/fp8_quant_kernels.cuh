@@ -23,6 +23,7 @@
 #include "hopper_moe/common/fp8.cuh"
 #include "hopper_moe/common/pdl.cuh"
 #include "hopper_moe/moe/fp8_quant_utils.cuh"
+#include "hopper_moe/moe/row_filter.cuh"
 
 namespace hopper_moe::quant {
 
@@ -35,12 +36,13 @@ static_assert(32 % kGroupLanes == 0, "a group team must sit inside one warp");
 // q = e4m3(clamp_e4m3(x * inv_scale)). Element (row, col) uses
 // scale[(row / group_m) * stride_m + (col / group_n) * stride_n]; kPerTensor uses scale[0].
 // kVec also requires group_n % kVecElems<T> == 0, so one vector never straddles two groups.
-template <typename T, bool kVec, bool kPerTensor>
+// Rows (row_filter.cuh): a row it rejects is neither read nor written.
+template <typename T, bool kVec, bool kPerTensor, class Rows = AllRows>
 __global__ void __launch_bounds__(kQuantThreads)
     scaled_quant_kernel(uint8_t* __restrict__ out, const T* __restrict__ input,
                         const float* __restrict__ scale, int64_t num_rows, int64_t k,
                         int64_t in_rs, int64_t out_rs, int64_t group_m, int64_t group_n,
-                        int64_t stride_m, int64_t stride_n) {
+                        int64_t stride_m, int64_t stride_n, Rows rows = Rows{}) {
   // A programmatic dependent launch (common/pdl.cuh's rule); a dependent GEMM may then stream
   // its weights meanwhile.
   pdl::wait_for_prerequisites();
@@ -54,6 +56,7 @@ __global__ void __launch_bounds__(kQuantThreads)
   const int64_t unit_begin = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t unit_step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t row = blockIdx.y; row < num_rows; row += gridDim.y) {
+    if (!rows(row)) continue;
     const InVec* x = reinterpret_cast<const InVec*>(input + row * in_rs);
     OutVec* q = reinterpret_cast<OutVec*>(out + row * out_rs);
     const float* s_row = kPerTensor ? scale : scale + (row / group_m) * stride_m;
@@ -148,17 +151,20 @@ __global__ void __launch_bounds__(kOneBlockThreads)
 
 // Per row: s = max(min(amax, *scale_ub) / 448, kMinScale); scales[row] = s;
 // q = e4m3(clamp_e4m3(x / s)).
-template <typename T, bool kVec>
+// Rows (row_filter.cuh): a row it rejects is neither read nor written, its scale included.
+template <typename T, bool kVec, class Rows = AllRows>
 __global__ void __launch_bounds__(kQuantThreads)
     per_token_quant_kernel(uint8_t* __restrict__ out, float* __restrict__ scales,
                            const T* __restrict__ input, const float* __restrict__ scale_ub,
-                           int64_t num_rows, int64_t k, int64_t in_rs, int64_t out_rs) {
+                           int64_t num_rows, int64_t k, int64_t in_rs, int64_t out_rs,
+                           Rows rows = Rows{}) {
   __shared__ float smem[33];
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
   const int64_t num_units = k / N;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
+    if (!rows(row)) continue;  // the same for the whole block: its reduction stays whole
     const InVec* x = reinterpret_cast<const InVec*>(input + row * in_rs);
     OutVec* q = reinterpret_cast<OutVec*>(out + row * out_rs);
     float a = 0.0f;
@@ -186,13 +192,14 @@ __global__ void __launch_bounds__(kQuantThreads)
 // Per group of group_size columns: s = max(eps, amax) * (1 / hi) (fp8::group_scale), rounded
 // up to a power of two when kUe8m0; scales[row * s_rs + group * s_cs] = s;
 // q = e4m3(clamp_range(x / s, lo, hi)).
-template <typename T, bool kVec, bool kUe8m0>
+// Rows (row_filter.cuh): the groups of a row it rejects are neither read nor written.
+template <typename T, bool kVec, bool kUe8m0, class Rows = AllRows>
 __global__ void __launch_bounds__(kQuantThreads)
     per_token_group_quant_kernel(uint8_t* __restrict__ out, float* __restrict__ scales,
                                  const T* __restrict__ input, int64_t num_groups,
                                  int64_t groups_per_row, int64_t group_size, int64_t in_rs,
                                  int64_t out_rs, int64_t s_rs, int64_t s_cs, float eps, float lo,
-                                 float hi) {
+                                 float hi, Rows rows = Rows{}) {
   constexpr int N = kVec ? kVecElems<T> : 1;
   using InVec = Vec<T, N>;
   using OutVec = Vec<uint8_t, N>;
@@ -202,8 +209,8 @@ __global__ void __launch_bounds__(kQuantThreads)
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock; first < num_groups;
        first += static_cast<int64_t>(gridDim.x) * kGroupsPerBlock) {
     const int64_t group = first + team;
-    const bool active = group < num_groups;
-    const int64_t row = active ? group / groups_per_row : 0;
+    const int64_t row = group < num_groups ? group / groups_per_row : 0;
+    const bool active = group < num_groups && rows(row);
     const int64_t col_group = active ? group - row * groups_per_row : 0;
     const InVec* x = reinterpret_cast<const InVec*>(input + row * in_rs + col_group * group_size);
     float a = eps;

@@ -14,12 +14,15 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "hopper_moe/common/checks.h"
+#include "hopper_moe/moe/row_filter.cuh"
 
 // Dispatch over the input dtypes these ops accept (float, half, bfloat16), as scalar_t.
 #define HM_QUANT_DISPATCH_INPUT(t, name, ...)                          \
@@ -174,6 +177,42 @@ inline StaticScaleGroups resolve_static_groups(const char* op, int64_t M, int64_
   g.stride_m = sm == 1 ? 0 : scale.stride(0);
   g.stride_n = sn == 1 ? 0 : scale.stride(1);
   return g;
+}
+
+// fp8_quant_rows' kind: how the rows that count are quantized.
+enum class RowsQuant {
+  kStaticTensor,  // "static_tensor": scale [1] given (static_scaled_fp8_quant per tensor)
+  kPerToken,      // "per_token": scale [R, 1] written (dynamic_per_token_scaled_fp8_quant)
+  kPerGroup,      // "per_group": scale [R, K / group_size] written (per_token_group_fp8_quant
+                  // with its defaults: eps kRowsGroupEps, range +-448, no ue8m0)
+};
+constexpr float kRowsGroupEps = 1e-10f;
+
+// Calls fn(rows) with the row filter (row_filter.cuh) that fp8_quant_rows' checked arguments
+// name: LeadingRows with row_end, else SlotRows of slot_ids' dtype (int32 or int64).
+template <class Fn>
+void visit_row_filter(const std::optional<at::Tensor>& slot_ids,
+                      const std::optional<at::Tensor>& expert_map, int64_t num_experts,
+                      const std::optional<at::Tensor>& row_end, Fn&& fn) {
+  if (row_end.has_value()) {
+    fn(LeadingRows{row_end->const_data_ptr<int64_t>()});
+    return;
+  }
+  const int32_t* map = expert_map ? expert_map->const_data_ptr<int32_t>() : nullptr;
+  if (slot_ids->scalar_type() == at::kInt) {
+    fn(SlotRows<int32_t>{slot_ids->const_data_ptr<int32_t>(), map, num_experts});
+  } else {
+    fn(SlotRows<int64_t>{slot_ids->const_data_ptr<int64_t>(), map, num_experts});
+  }
+}
+
+inline RowsQuant parse_rows_quant(const char* op, c10::string_view kind) {
+  if (kind == "static_tensor") return RowsQuant::kStaticTensor;
+  if (kind == "per_token") return RowsQuant::kPerToken;
+  HM_CHECK(op, kind == "per_group",
+           "kind must be \"static_tensor\", \"per_token\" or \"per_group\", got \"",
+           std::string(kind), "\"");
+  return RowsQuant::kPerGroup;
 }
 
 }  // namespace hopper_moe::quant
