@@ -45,8 +45,8 @@ PEER_BACKENDS = {"peer": "engine", "peer_default": "default", "peer_swap": "swap
 # GEMM from the same headers (peer_cutlass.py), GEMM-only; the summary's "best × cutlass"
 # takes the fastest of them. Like the peer, never a row's best.
 CUTLASS_BACKENDS = tuple(peer_cutlass.BACKENDS)
-# Starts the error of a row whose backend has no variant for its scheme (the table shows n/a,
-# not fail).
+# Starts the error of a row its backend cannot run (no CUTLASS variant for the scheme, or a
+# hopper_moe backend whose supports() says no): the row is not called and reads n/a, not fail.
 NOT_APPLICABLE = "not applicable: "
 NOT_OURS = ("reference", READ_CONTROL, *PEER_BACKENDS, *CUTLASS_BACKENDS)
 # Relative errors above these are marked "!" (the tests own the real tolerances).
