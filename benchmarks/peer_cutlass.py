@@ -12,7 +12,10 @@ lib/ of its own (e.g. CUDA_HOME=/usr/local/cuda when nvcc is a link in /usr/loca
 Variants (bench_moe.py backends ``cutlass_coop`` / ``cutlass_pingpong`` with ``--gemm-only``):
 FP8 e4m3 cooperative 256x128x128 (fast accumulation, and ``cutlass_coop_promoted`` with
 CUTLASS's fp32 promotion), FP8 ping-pong 128x128x128 (fast accumulation), bf16 cooperative
-256x128x64 and ping-pong 128x128x64; bf16 outputs, alpha = 1 (the FP8 scales are not applied:
+256x128x64 and ping-pong 128x128x64; ``cutlass_engine``: the FP8 kernels vLLM's cutlass_moe_mm
+runs on SM90 for more than 64 rows, chosen per GEMM by its rule (ping-pong, fast accumulation:
+64x128x256 with a 1x8 cluster for N >= 8192, else 128x128x128 with 1x8 for K >= 8192, else
+64x256x128 with 1x2). bf16 outputs, alpha = 1 (the FP8 scales are not applied:
 a GEMM-only timing). Operands are prepared once per row (rows sorted by expert, one group per
 expert with rows); the timed call launches the two grouped GEMMs only.
 """
@@ -30,7 +33,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "peer_cutlass"
 BACKENDS = {"cutlass_coop": "coop", "cutlass_coop_promoted": "coop_promoted",
-            "cutlass_pingpong": "pingpong"}
+            "cutlass_pingpong": "pingpong", "cutlass_engine": "engine"}
+# cutlass_engine: the FP8 kernels vLLM's cutlass_moe_mm runs on SM90, chosen per GEMM by its
+# rule for more than 64 rows (its swap-AB kernels for fewer rows are not built here).
+ENGINE_MIN_ROWS = 65
+ENGINE_LARGE = 8192
 # Which schemes a backend's variant runs (the FP8 variants take per-tensor or per-channel
 # FP8 operands; the scales are not applied).
 FP8_SCHEMES = ("fp8_tensor", "fp8_channel")
@@ -41,11 +48,26 @@ def build_dir() -> Path:
                 Path.home() / ".cache" / "hopper_moe" / "peer_cutlass")
 
 
+def engine_variant(rows: int, n: int, k: int) -> str | None:
+    """The variant vLLM's cutlass_moe_mm picks for a GEMM of `rows` rows (all experts'), N and
+    K on SM90, or None for 64 rows or fewer (its swap-AB kernels, not built here)."""
+    if rows < ENGINE_MIN_ROWS:
+        return None
+    if n >= ENGINE_LARGE:
+        return "fp8_engine_n8192"
+    if k >= ENGINE_LARGE:
+        return "fp8_engine_k8192"
+    return "fp8_engine_default"
+
+
 def variant_for(backend: str, scheme: str) -> str | None:
-    """The compiled variant that backend runs for scheme, or None where it has none."""
+    """The compiled variant that backend runs for scheme, or None where it has none
+    (cutlass_engine: its default; gemm_pair chooses per GEMM with engine_variant)."""
     kind = BACKENDS.get(backend)
     if kind is None:
         return None
+    if kind == "engine":
+        return "fp8_engine_default" if scheme in FP8_SCHEMES else None
     if scheme == "bf16":
         return None if kind == "coop_promoted" else "bf16_" + kind
     if scheme in FP8_SCHEMES:
@@ -105,11 +127,18 @@ def gemm_pair(backend: str, scheme: str, x: torch.Tensor, w1: torch.Tensor, w2: 
     variant = variant_for(backend, scheme)
     if variant is None:
         raise NotImplementedError(f"{backend} has no {scheme} variant")
-    mod = load()
     num_experts, two_i, hidden = w1.shape
     tok, counts = expert_rows(topk_ids, num_experts)
     if sum(counts) == 0:
         raise NotImplementedError("no routed rows")
+    variant1 = variant2 = variant
+    if BACKENDS[backend] == "engine":
+        variant1 = engine_variant(sum(counts), two_i, hidden)
+        variant2 = engine_variant(sum(counts), hidden, two_i // 2)
+        if variant1 is None or variant2 is None:
+            raise NotImplementedError(f"{backend}: the engine's kernels for {sum(counts)} rows "
+                                      f"(<= {ENGINE_MIN_ROWS - 1}: swap-AB) are not built")
+    mod = load()
     dtype = w1.dtype
     gen = torch.Generator(device=x.device).manual_seed(12)
     a1 = x.index_select(0, tok).float().clamp(-448, 448).to(dtype).contiguous()
@@ -117,19 +146,20 @@ def gemm_pair(backend: str, scheme: str, x: torch.Tensor, w1: torch.Tensor, w2: 
     d1 = torch.empty(a1.shape[0], two_i, dtype=torch.bfloat16, device=x.device)
     d2 = torch.empty(a1.shape[0], hidden, dtype=torch.bfloat16, device=x.device)
     w1, w2 = w1.contiguous(), w2.contiguous()  # the plans hold their addresses: keep them
-    h1 = mod.prepare(variant, a1, w1, d1, counts)
-    h2 = mod.prepare(variant, a2, w2, d2, counts)
+    h1 = mod.prepare(variant1, a1, w1, d1, counts)
+    h2 = mod.prepare(variant2, a2, w2, d2, counts)
     keep = (a1, a2, d1, d2, w1, w2)
     mod.run(h1)
     mod.run(h2)
-    check_groups(a1, w1, d1, counts, variant)
-    check_groups(a2, w2, d2, counts, variant)
+    check_groups(a1, w1, d1, counts, variant1)
+    check_groups(a2, w2, d2, counts, variant2)
 
     def run():
         mod.run(h1)
         mod.run(h2)
         return keep[2], keep[3]
-    run.variant = variant  # type: ignore[attr-defined]
+    run.variant = variant1 if variant1 == variant2 else \
+        f"{variant1} + {variant2}"  # type: ignore[attr-defined]
     for handle in (h1, h2):  # the plans (device arrays, workspace) go with the callable
         weakref.finalize(run, mod.release, handle)
     return run

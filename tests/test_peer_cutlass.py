@@ -26,13 +26,32 @@ def test_each_backend_names_the_variant_of_each_scheme():
             ("cutlass_pingpong", "fp8_tensor"): "fp8_pingpong",
             ("cutlass_coop_promoted", "fp8_tensor"): "fp8_coop_promoted",
             ("cutlass_coop_promoted", "bf16"): None, ("cutlass_coop", "fp8_block"): None,
-            ("triton", "bf16"): None}
+            ("cutlass_engine", "fp8_tensor"): "fp8_engine_default",
+            ("cutlass_engine", "bf16"): None, ("triton", "bf16"): None}
     for (backend, scheme), variant in want.items():
         assert peer_cutlass.variant_for(backend, scheme) == variant, (backend, scheme)
     sources = {p.stem for p in peer_cutlass.SOURCES.glob("*.cu")} - {"bindings"}
     named = {peer_cutlass.variant_for(b, s) for b in peer_cutlass.BACKENDS
-             for s in ("bf16", "fp8_tensor")} - {None}
-    assert named == sources  # every variant has its file, every file a backend
+             for s in ("bf16", "fp8_tensor")} | {
+        peer_cutlass.engine_variant(rows, n, k) for rows in (64, 65, 8192)
+        for n in (4096, 8192) for k in (4096, 8192)}
+    assert named - {None} == sources  # every variant has its file, every file a backend
+
+
+def test_the_engine_rule_per_gemm():
+    """vLLM's cutlass_moe_mm on SM90 for more than 64 rows: N >= 8192 first, then K >= 8192;
+    64 rows or fewer is its swap-AB kernels, which the peer does not build."""
+    v = peer_cutlass.engine_variant
+    assert v(64, 28672, 4096) is None
+    assert v(8192, 28672, 4096) == "fp8_engine_n8192"      # mixtral GEMM1
+    assert v(8192, 4096, 14336) == "fp8_engine_k8192"      # mixtral GEMM2
+    assert v(8192, 8192, 8192) == "fp8_engine_n8192"
+    assert v(65, 1536, 2048) == "fp8_engine_default"       # qwen3_30b GEMM1
+    x = torch.zeros(2, 128)
+    w1, w2 = torch.zeros(4, 64, 128), torch.zeros(4, 128, 32)
+    with pytest.raises(NotImplementedError, match="swap-AB"):
+        peer_cutlass.gemm_pair("cutlass_engine", "fp8_tensor", x, w1, w2,
+                               torch.zeros(2, 1, dtype=torch.long))
 
 
 def test_rows_are_grouped_by_expert_and_bad_ids_left_out():

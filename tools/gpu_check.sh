@@ -80,7 +80,7 @@ for step in $steps; do
       # beside the GEMM-only rows; CUTLASS_ARGS replaces bench_moe's arguments.
       python3 benchmarks/peer_cutlass.py build 2>&1 | tail -1
       res=/tmp/hopper_moe_cutlass; rm -rf $res; mkdir -p $res
-      python3 benchmarks/bench_moe.py --gemm-only ${CUTLASS_ARGS:---shapes mixtral,qwen3_30b,deepseek_v3_tp8 --dtypes bf16,fp8_tensor --m 256,1024,4096 --backends cute,cutlass_coop,cutlass_coop_promoted,cutlass_pingpong} \
+      python3 benchmarks/bench_moe.py --gemm-only ${CUTLASS_ARGS:---shapes mixtral,qwen3_30b,deepseek_v3_tp8 --dtypes bf16,fp8_tensor --m 256,1024,4096 --backends cute,cutlass_coop,cutlass_coop_promoted,cutlass_pingpong,cutlass_engine} \
         --out $res --tag gemm_cutlass 2>&1 | tee "$OUT/bench_cutlass.log" | tail -30
       tar czf "$OUT/cutlass.tgz" -C $res . ;;
     stages)
@@ -105,9 +105,11 @@ for step in $steps; do
     sanitize)
       # SANITIZE_TOOLS picks the tools; SANITIZE_SECONDS bounds each (a tool stopped there
       # prints no ERROR SUMMARY line); SANITIZE_ARGS=--gemm runs only the grouped GEMM part.
+      # Every report is printed (the default limit of 100 hid all but the first kernel's).
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANITIZE_SECONDS:-3600} compute-sanitizer \
-          --tool $tool python3 tools/sanitize_ops.py ${SANITIZE_ARGS:-} >"$OUT/sanitize_$tool.log" 2>&1
+          --tool $tool --print-limit ${SANITIZE_PRINT_LIMIT:-100000} \
+          python3 tools/sanitize_ops.py ${SANITIZE_ARGS:-} >"$OUT/sanitize_$tool.log" 2>&1
         echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize_$tool.log" | tail -1)"
       done | tee "$OUT/sanitize.txt" ;;
     vllm)

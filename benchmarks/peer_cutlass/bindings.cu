@@ -11,7 +11,10 @@ const std::map<std::string, Maker>& makers() {
   static const std::map<std::string, Maker> m = {
       {"fp8_coop", make_fp8_coop},         {"fp8_coop_promoted", make_fp8_coop_promoted},
       {"fp8_pingpong", make_fp8_pingpong}, {"bf16_coop", make_bf16_coop},
-      {"bf16_pingpong", make_bf16_pingpong}};
+      {"bf16_pingpong", make_bf16_pingpong},
+      {"fp8_engine_default", make_fp8_engine_default},
+      {"fp8_engine_n8192", make_fp8_engine_n8192},
+      {"fp8_engine_k8192", make_fp8_engine_k8192}};
   return m;
 }
 

@@ -191,6 +191,12 @@ std::unique_ptr<Plan> make_fp8_coop_promoted(const torch::Tensor&, const torch::
                                              const torch::Tensor&, const std::vector<int64_t>&);
 std::unique_ptr<Plan> make_fp8_pingpong(const torch::Tensor&, const torch::Tensor&,
                                         const torch::Tensor&, const std::vector<int64_t>&);
+std::unique_ptr<Plan> make_fp8_engine_default(const torch::Tensor&, const torch::Tensor&,
+                                              const torch::Tensor&, const std::vector<int64_t>&);
+std::unique_ptr<Plan> make_fp8_engine_n8192(const torch::Tensor&, const torch::Tensor&,
+                                            const torch::Tensor&, const std::vector<int64_t>&);
+std::unique_ptr<Plan> make_fp8_engine_k8192(const torch::Tensor&, const torch::Tensor&,
+                                            const torch::Tensor&, const std::vector<int64_t>&);
 std::unique_ptr<Plan> make_bf16_coop(const torch::Tensor&, const torch::Tensor&,
                                      const torch::Tensor&, const std::vector<int64_t>&);
 std::unique_ptr<Plan> make_bf16_pingpong(const torch::Tensor&, const torch::Tensor&,

@@ -1,0 +1,13 @@
+// vLLM's cutlass_moe_mm FP8 kernel on SM90 (its grouped_mm_c3x_sm90.cu) for
+// more than 64 rows, N < 8192 and K >= 8192: ping-pong with fast accumulation,
+// tile 128 x 128 x 128, cluster 1 x 8 x 1.
+#include "grouped_gemm.cuh"
+
+namespace peer_cutlass {
+PEER_CUTLASS_VARIANT(fp8_engine_k8192,
+                     cutlass::float_e4m3_t,
+                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                     cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                     cute::Shape<cute::_128, cute::_128, cute::_128>,
+                     cute::Shape<cute::_1, cute::_8, cute::_1>)
+}  // namespace peer_cutlass
