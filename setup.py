@@ -35,7 +35,7 @@ cpu_only = os.environ.get("HOPPER_MOE_CPU_ONLY", "0") == "1"
 if not cpu_only and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
     raise RuntimeError("nvcc not found: set CUDA_HOME, or HOPPER_MOE_CPU_ONLY=1 for a CPU build")
 
-cpp_sources = ["csrc/torch_bindings.cpp", "csrc/settings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp")
+cpp_sources = ["csrc/torch_bindings.cpp", "csrc/settings.cpp"] + _sources("csrc/checks/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("csrc/layer/*.cpp")
 include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
 # Every source includes only the ATen/c10 headers it uses (<ATen/core/Tensor.h>, per-op headers
 # such as <ATen/ops/empty.h>), never <ATen/ATen.h> or <torch/extension.h>: those parse all of

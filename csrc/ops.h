@@ -121,9 +121,32 @@ using OptTensor = std::optional<at::Tensor>;
   (const at::Tensor& scores, int64_t n_group, int64_t topk_group, int64_t topk,               \
    bool renormalize, double routed_scaling_factor, const at::Tensor& bias, int64_t scoring_func)
 
+// The whole layer over the SM90 grouped GEMM (csrc/layer/fused_experts_sm90.cpp): one
+// composition for both devices, over the cpu:: or cuda:: ops.
+#define HOPPER_MOE_LAYER_ARGS                                                                  \
+  (at::Tensor & out, const at::Tensor& hidden_states, const at::Tensor& w1,                   \
+   const at::Tensor& w2, const at::Tensor& topk_weights, const at::Tensor& topk_ids,          \
+   bool apply_router_weight_on_input, int64_t global_num_experts, const OptTensor& expert_map, \
+   const OptTensor& w1_scale, const OptTensor& w2_scale, const OptTensor& a1_scale,           \
+   const OptTensor& a2_scale, bool per_act_token_quant, bool per_out_ch_quant)
+
+// What check::fused_experts_sm90 resolves from a valid call.
+struct LayerScheme {
+  bool fp8 = false;            // e4m3 weights (else 16-bit, run in bf16)
+  bool per_act_token = false;  // one dynamic activation scale per row
+  bool per_out_ch = false;     // one weight scale per output channel (vLLM's inference included)
+  int64_t num_global = 0;      // global_num_experts resolved (expert_map's length, else E)
+};
+
 // Validation: throws a RuntimeError naming the argument and the rule; returns normally when
 // the call is valid.
 namespace check {
+LayerScheme fused_experts_sm90(
+    const at::Tensor& out, const at::Tensor& hidden_states, const at::Tensor& w1,
+    const at::Tensor& w2, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+    bool apply_router_weight_on_input, int64_t global_num_experts, const OptTensor& expert_map,
+    const OptTensor& w1_scale, const OptTensor& w2_scale, const OptTensor& a1_scale,
+    const OptTensor& a2_scale, bool per_act_token_quant, bool per_out_ch_quant);
 HOPPER_MOE_DECLARE_OPS
 void grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
 // The grouped-GEMM ops' `config`: "" (the heuristic's choice) or comma-separated key=value
@@ -134,12 +157,14 @@ heuristics::GroupedGemmOverride grouped_gemm_config(const char* op, c10::string_
 namespace cpu {
 HOPPER_MOE_DECLARE_OPS
 std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+void fused_experts_sm90 HOPPER_MOE_LAYER_ARGS;
 }  // namespace cpu
 
 #ifdef HOPPER_MOE_WITH_CUDA
 namespace cuda {
 HOPPER_MOE_DECLARE_OPS
 std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
+void fused_experts_sm90 HOPPER_MOE_LAYER_ARGS;
 }  // namespace cuda
 #endif
 

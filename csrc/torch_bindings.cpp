@@ -154,6 +154,16 @@ TORCH_LIBRARY(hopper_moe, m) {
       "moe_grouped_gemm_chain(Tensor! out, Tensor! h, Tensor a, Tensor w1, Tensor w2, "
       "Tensor expert_offsets, Tensor? a_scales, Tensor? w1_scales, Tensor? h_scale, "
       "Tensor? w2_scales, bool offsets_ready=False, str config=\"\") -> ()");
+  // The whole layer over that GEMM, vLLM's fused_experts semantics (silu; out[t] = sum_k
+  // w[t,k] * expert_{id[t,k]}(x_t), accumulated in fp32): bf16 (fp16/fp32 inputs run in bf16)
+  // or Float8_e4m3fn weights with per-tensor (static or dynamic) or per-token x per-channel
+  // scales. Argument checks, buffers and launches in C++ (csrc/layer/fused_experts_sm90.cpp).
+  m.def(
+      "fused_experts_sm90(Tensor! out, Tensor hidden_states, Tensor w1, Tensor w2, "
+      "Tensor topk_weights, Tensor topk_ids, bool apply_router_weight_on_input, "
+      "int global_num_experts, Tensor? expert_map, Tensor? w1_scale, Tensor? w2_scale, "
+      "Tensor? a1_scale, Tensor? a2_scale, bool per_act_token_quant, "
+      "bool per_out_ch_quant) -> ()");
   // Grouped GEMM (vLLM's FP8 entry; the same kernel as moe_grouped_gemm)
   m.def(
       "cutlass_moe_mm(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, "
@@ -186,7 +196,8 @@ TORCH_LIBRARY(hopper_moe, m) {
   m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);                                          \
   m.impl("moe_grouped_gemm_silu_mul", &ns::moe_grouped_gemm_silu_mul);                        \
   m.impl("moe_grouped_gemm_chain", &ns::moe_grouped_gemm_chain);                              \
-  m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);
+  m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);                                              \
+  m.impl("fused_experts_sm90", &ns::fused_experts_sm90);
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }
 

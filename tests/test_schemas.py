@@ -64,6 +64,11 @@ OWN = [
     "fp8_quant_rows(Tensor! result, Tensor input, Tensor(a!) scale, str kind, "
     "int group_size, Tensor? slot_ids, Tensor? expert_map, int num_experts, "
     "Tensor? row_end) -> ()",
+    "fused_experts_sm90(Tensor! out, Tensor hidden_states, Tensor w1, Tensor w2, "
+    "Tensor topk_weights, Tensor topk_ids, bool apply_router_weight_on_input, "
+    "int global_num_experts, Tensor? expert_map, Tensor? w1_scale, Tensor? w2_scale, "
+    "Tensor? a1_scale, Tensor? a2_scale, bool per_act_token_quant, "
+    "bool per_out_ch_quant) -> ()",
 ]
 
 

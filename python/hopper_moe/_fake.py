@@ -32,6 +32,7 @@ _IN_PLACE_OPS = (
     "moe_grouped_gemm_silu_mul",
     "moe_grouped_gemm_chain",
     "cutlass_moe_mm",
+    "fused_experts_sm90",
 )
 
 

@@ -58,6 +58,8 @@ _BACKEND_NAMES = ("auto", "torch", "reference", "triton", "sm90")
 # Other names accepted wherever a backend name is. "cute": the SM90 backend, after CuTe, the
 # CUTLASS layer its kernels are written in (benchmarks and scripts pass this name).
 BACKEND_ALIASES = {"cute": "sm90"}
+# The names that run the SM90 layer op directly (fused_experts' fast path).
+_SM90_NAMES = ("sm90",) + tuple(a for a, b in BACKEND_ALIASES.items() if b == "sm90")
 
 
 def _fail(msg: str) -> None:
@@ -381,6 +383,14 @@ def fused_experts(
         RuntimeError naming the argument and the rule for any invalid argument, or when the
         requested backend is not available in this build.
     """
+    if backend in _SM90_NAMES and _sm90_direct(hidden_states, w1, w2, topk_weights, topk_ids,
+                                                activation, apply_router_weight_on_input,
+                                                global_num_experts, expert_map, quant, out):
+        # One op call: torch.ops.hopper_moe.fused_experts_sm90 checks every argument itself
+        # (the same rules, a RuntimeError naming the argument) and runs the layer in C++.
+        return _sm90_backend.fused_experts_sm90(
+            hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input,
+            global_num_experts, expert_map, quant, out)
     global_num_experts, quant = _validate_experts_args(
         hidden_states, w1, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
         global_num_experts, expert_map, quant, backend)
@@ -404,6 +414,32 @@ def fused_experts(
     result = entry.run(hidden_states, w1, w2, topk_weights, topk_ids,
                        apply_router_weight_on_input, global_num_experts, expert_map, quant)
     return result if out is None else out.copy_(result)
+
+
+def _sm90_direct(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                 apply_router_weight_on_input, global_num_experts, expert_map, quant,
+                 out) -> bool:
+    """Whether fused_experts(backend="sm90") may hand the call to the SM90 layer op as it is:
+    the registered backend is the op's, and every argument is of a type the op's schema takes
+    (the op checks the rest). Otherwise the Python validation runs and names what is wrong."""
+    entry = _BACKENDS.get("sm90")
+    return (entry is not None and entry.run is _sm90_backend.run and activation == "silu"
+            and isinstance(hidden_states, torch.Tensor) and isinstance(w1, torch.Tensor)
+            and isinstance(w2, torch.Tensor) and isinstance(topk_weights, torch.Tensor)
+            and isinstance(topk_ids, torch.Tensor)
+            and (expert_map is None or isinstance(expert_map, torch.Tensor))
+            and (out is None or isinstance(out, torch.Tensor))
+            and type(apply_router_weight_on_input) is bool
+            and type(global_num_experts) is int
+            and (quant is None or (isinstance(quant, QuantConfig)
+                                   and quant.quant_dtype == torch.float8_e4m3fn
+                                   and quant.block_shape is None
+                                   and isinstance(quant.w1_scale, torch.Tensor)
+                                   and isinstance(quant.w2_scale, torch.Tensor)
+                                   and (quant.a1_scale is None
+                                        or isinstance(quant.a1_scale, torch.Tensor))
+                                   and (quant.a2_scale is None
+                                        or isinstance(quant.a2_scale, torch.Tensor)))))
 
 
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:

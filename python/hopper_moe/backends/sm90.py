@@ -1,5 +1,6 @@
 """The "sm90" backend of fused_experts (also named "cute"): the layer around hopper_moe's
-SM90 grouped GEMM.
+SM90 grouped GEMM, one call of the op ``torch.ops.hopper_moe.fused_experts_sm90``
+(csrc/layer/fused_experts_sm90.cpp: argument checks, buffers and launches in C++):
 
     (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
     GEMM1 with SiLU*mul (+ static FP8 quant, or the dynamic per-tensor scale's amax) in its
@@ -23,8 +24,10 @@ host synchronization: the slot order and the expert row offsets stay on the devi
 layer can be captured in a CUDA graph.
 
 Not yet fused: the activation quantization, the permutation and the final sum are separate
-launches (hopper_moe's ops). The scheme-dependent steps (activation quantization, how GEMM2's
-input is quantized, weight-scale shapes, the dynamic scale's floor) are hopper_moe.prepare's.
+launches (hopper_moe's ops, called from the C++ op). The scheme rules (how GEMM2's input is
+quantized, weight-scale shapes, the dynamic scale's floor) are hopper_moe.prepare's, which
+the C++ op follows; ``make_gemm_only`` (GEMM-only benchmarks) still prepares its operands here
+in Python with them.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from .. import ops, prepare
 _GEMM = torch.ops.hopper_moe.moe_grouped_gemm.default
 _GEMM1 = torch.ops.hopper_moe.moe_grouped_gemm_silu_mul.default
 _CHAIN = torch.ops.hopper_moe.moe_grouped_gemm_chain.default
+_LAYER = torch.ops.hopper_moe.fused_experts_sm90.default
 
 
 def _fail(msg: str) -> None:
@@ -158,58 +162,31 @@ def _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant, offsets_re
     return prepare.quantize_written_rows(h, quant, a2_scale, row_end=offsets[-1:])
 
 
-def _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, offsets_ready,
-                 a2_scale):
-    """GEMM1 with SiLU*mul (and GEMM2's input quantization), then GEMM2 into y [S, H].
-    a2_scale: prepare.gemm1_epilogue_scale(quant). Where GEMM1 writes GEMM2's input itself
-    (bf16, a static a2 scale) the two are one moe_grouped_gemm_chain call. Returns GEMM2's
-    input."""
-    w2g, w2_scale = _gemm2_weights(w2, quant)
-    h = _gemm1_output(a1, w1g, quant)
-    if prepare.gemm1_writes_gemm2_input(quant):
-        _CHAIN(y, h, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale,
-               offsets_ready)
-        return h
-    # A quantization kernel runs between the GEMMs (it waits for GEMM1 before letting GEMM2
-    # start), so GEMM2 may read the offsets early.
-    a2, a2_scale = _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant,
-                                     offsets_ready, a2_scale)
-    _GEMM(y, a2, w2g, offsets, a2_scale, w2_scale, True)
-    return a2
-
-
 def fused_experts_sm90(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        apply_router_weight_on_input: bool, global_num_experts: int,
                        expert_map, quant, out=None) -> torch.Tensor:
-    """Arguments as ``hopper_moe.fused_experts`` after its validation (M > 0,
-    global_num_experts resolved; out checked)."""
-    _check_supported(hidden_states, w1, w2, quant)
-    # Made here, not just before GEMM1 (a dynamic scale's floor is a fill kernel), so that
-    # GEMM1 follows the row gather directly.
-    a2_scale = prepare.gemm1_epilogue_scale(quant, hidden_states.device)
-    a1, a1_scale, offsets, inv_idx, w1g, w1_scale = _permuted_gemm1_operands(
-        hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input,
-        global_num_experts, expert_map, quant)
-    num_slots = a1.shape[0]
-    # The offsets come from moe_permute's sort, whose row gather (H > 0) runs after it: the
-    # kernel just before GEMM1 does not write them, nor does any kernel before GEMM2.
-    ready = w1.shape[2] > 0
-    y = torch.empty((num_slots, w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
-    _gemm1_gemm2(y, a1, a1_scale, w1g, w1_scale, offsets, w2, quant, ready, a2_scale)
-    # Weighted sum over k in fp32 (moe_unpermute skips rows past offsets[E]).
-    weights = torch.ones_like(topk_weights, dtype=torch.float32) \
-        if apply_router_weight_on_input else topk_weights.float().contiguous()
-    # The sum is written in bf16 (GEMM2's output dtype): straight into `out` when that is bf16.
-    direct = out is not None and out.dtype == torch.bfloat16
-    summed = out if direct else torch.empty((hidden_states.shape[0], w2.shape[1]),
-                                            dtype=torch.bfloat16, device=a1.device)
-    ops.moe_unpermute(summed, y, weights, inv_idx, offsets)
-    if direct:
-        return out
-    if out is not None:
-        return out.copy_(summed)
-    return summed.to(hidden_states.dtype)
+    """The layer as one call of ``torch.ops.hopper_moe.fused_experts_sm90``, which checks
+    every argument itself (a RuntimeError naming the argument and the rule, on both devices)
+    and runs every step in C++. Arguments as ``hopper_moe.fused_experts``; ``quant`` a
+    QuantConfig or None, ``out`` an optional ``[M, H]`` result tensor. Returns out."""
+    if quant is not None and quant.block_shape is not None:
+        _fail("block-wise FP8 (quant.block_shape) is not supported yet; use backend='triton'")
+    if hidden_states.is_cuda and not is_available("cuda"):
+        _fail(f"needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe; "
+              f"{hidden_states.device} is not one")
+    if out is None:
+        out = hidden_states.new_empty(hidden_states.shape)
+    if quant is None:
+        _LAYER(out, hidden_states, w1, w2, topk_weights, topk_ids,
+               bool(apply_router_weight_on_input), global_num_experts, expert_map, None, None,
+               None, None, False, False)
+    else:
+        _LAYER(out, hidden_states, w1, w2, topk_weights, topk_ids,
+               bool(apply_router_weight_on_input), global_num_experts, expert_map, quant.w1_scale,
+               quant.w2_scale, quant.a1_scale, quant.a2_scale, bool(quant.per_act_token_quant),
+               bool(quant.per_out_ch_quant))
+    return out
 
 
 def run(*args, **kwargs) -> torch.Tensor:

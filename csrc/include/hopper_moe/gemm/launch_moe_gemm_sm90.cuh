@@ -9,6 +9,7 @@
 #include <cutlass/cutlass.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -30,9 +31,19 @@ cudaError_t launch_moe_gemm_kernels(const MoeGemmArgs& a, const MoeGemmParams& p
                                     cudaStream_t stream) {
   using Scheduler = StaticPersistentScheduler<Config>;
   auto kernel = &moe_gemm_sm90_kernel<Config, Epilogue, Scheduler, TmaA, TmaB>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Config::kSmemBytes);
+  // The shared-memory attribute is set once per kernel and device (one bit per device
+  // index below 64; others set it on every launch): the call costs microseconds of host time.
+  static std::atomic<uint64_t> smem_set{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || (smem_set.load(std::memory_order_acquire) & bit) == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Config::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    smem_set.fetch_or(bit, std::memory_order_release);
+  }
   // Units: the experts' token tiles (at most ceil(m_total / kBlockT) + min(E, m_total): each
   // expert with rows wastes at most one partial tile) x weight tiles x K splits.
   const int64_t tile_bound = (a.m_total + Config::kBlockT - 1) / Config::kBlockT +

@@ -1,0 +1,258 @@
+"""torch.ops.hopper_moe.fused_experts_sm90: the SM90 layer behind one op.
+
+- The op is, bit for bit, the composition of hopper_moe's ops it stands for (quantize, permute,
+  GEMM1 with SiLU*mul, the quantization between the GEMMs, GEMM2, the weighted sum), written
+  out here step by step with the Python wrappers: on the CPU in CI, on an SM90 GPU too.
+- fused_experts(backend="sm90") is one call of the op, with the result of the validated path.
+- Bad input: a RuntimeError naming the argument and the rule, on the CPU and CUDA alike.
+- opcheck: schema, fake (meta) implementation, autograd registration, AOT dispatch.
+(Accuracy against the fp32 reference is test_cute_backend.py's.)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import DEVICES, gpu, poison
+
+from hopper_moe import api, fused_experts, ops, prepare
+from test_fused_moe import make_problem
+
+LAYER = torch.ops.hopper_moe.fused_experts_sm90.default
+SCHEMES = ["bf16", "fp8_tensor_static", "fp8_tensor_dynamic", "fp8_channel"]
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+LAYER_DEVICES = ["cpu"] + (["cuda"] if SM90 else [])
+
+
+def op_args(p, out):
+    q = p.quant
+    scales = (None, None, None, None, False, False) if q is None else (
+        q.w1_scale, q.w2_scale, q.a1_scale, q.a2_scale, q.per_act_token_quant,
+        q.per_out_ch_quant)
+    return (out, p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, p.apply_router_weight_on_input,
+            p.global_num_experts, p.expert_map) + scales
+
+
+def composed(p) -> torch.Tensor:
+    """The layer from hopper_moe's ops, one Python call per step, as the sm90 backend ran it
+    before fused_experts_sm90 existed."""
+    x, w1, w2, q = p.x, p.w1, p.w2, p.quant
+    e = w1.shape[0]
+    num_global = p.global_num_experts if p.expert_map is not None else e
+    if p.expert_map is not None and num_global == -1:
+        num_global = p.expert_map.shape[0]
+    if q is not None:
+        q = q.resolve(w1)
+    if p.apply_router_weight_on_input:
+        x = prepare.router_weighted_input(x, p.topk_weights)
+    if q is None:
+        xq, xs, w1g, w1s = x.to(torch.bfloat16), None, w1.to(torch.bfloat16), None
+        w2g, w2s = w2.to(torch.bfloat16), None
+    else:
+        xq, xs = prepare.quantize_activations(x, q, q.a1_scale)
+        w1g, w1s = w1, prepare.gemm_weight_scales(q.w1_scale, w1, q)
+        w2g, w2s = w2, prepare.gemm_weight_scales(q.w2_scale, w2, q)
+    emap = None if p.expert_map is None else p.expert_map.to(torch.int32)
+    a1, a1s, offsets, inv_idx, _ = ops.moe_permute(xq, xs, p.topk_ids, num_global, e, emap)
+    a2_scale = prepare.gemm1_epilogue_scale(q, x.device)
+    inter = w1.shape[1] // 2
+    y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=x.device)
+    if prepare.gemm1_writes_gemm2_input(q):
+        h = torch.empty((a1.shape[0], inter), device=x.device,
+                        dtype=torch.bfloat16 if q is None else torch.float8_e4m3fn)
+        torch.ops.hopper_moe.moe_grouped_gemm_chain(y, h, a1, w1g, w2g, offsets, a1s, w1s,
+                                                    a2_scale, w2s, True)
+    else:
+        h = torch.empty((a1.shape[0], inter), dtype=torch.bfloat16, device=x.device)
+        torch.ops.hopper_moe.moe_grouped_gemm_silu_mul(h, a1, w1g, offsets, a1s, w1s, None,
+                                                       True, a2_scale)
+        a2, a2s = prepare.quantize_written_rows(h, q, a2_scale, row_end=offsets[-1:])
+        torch.ops.hopper_moe.moe_grouped_gemm(y, a2, w2g, offsets, a2s, w2s, True)
+    weights = torch.ones_like(p.topk_weights, dtype=torch.float32) \
+        if p.apply_router_weight_on_input else p.topk_weights.float()
+    summed = torch.empty((x.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=x.device)
+    ops.moe_unpermute(summed, y, weights, inv_idx, offsets)
+    return summed.to(p.x.dtype)
+
+
+CASES = [
+    dict(m=1, e=1, topk=1),
+    dict(m=7, e=8, topk=2),
+    dict(m=33, e=16, topk=4, num_local=9),
+    dict(m=20, e=8, topk=3, invalid_ids=True),
+    dict(m=9, e=8, topk=1, on_input=True),
+    dict(m=12, e=8, topk=2, dtype=torch.float16),
+    dict(m=5, e=4, topk=2, dtype=torch.float32, ids_dtype=torch.int64),
+    dict(m=6, e=8, topk=2, channel_3d=False),
+]
+
+
+def _problem(scheme, case, h=128, i=64, seed=5):
+    return make_problem(h=h, i=i, scheme=scheme, seed=seed, **case)
+
+
+@pytest.mark.parametrize("device", LAYER_DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_op_equals_its_steps(device, scheme):
+    for case in CASES:
+        p = _problem(scheme, case).to(device)
+        if p.expert_map is not None:
+            p = replace(p, expert_map=p.expert_map.long())  # the op takes int64 maps too
+        out = poison(torch.empty_like(p.x))
+        LAYER(*op_args(p, out))
+        want = composed(p)
+        assert torch.equal(out, want), f"{device} {scheme} {case}"
+
+
+@pytest.mark.parametrize("device", LAYER_DEVICES)
+def test_fused_experts_is_the_op(device, monkeypatch):
+    """backend="sm90" skips the Python validation (the op checks) and equals the validated
+    path (taken with a non-bool-typed flag) bit for bit; out is written in place."""
+    calls = []
+    real = api._validate_experts_args
+    monkeypatch.setattr(api, "_validate_experts_args",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for scheme in SCHEMES:
+        p = _problem(scheme, dict(m=11, e=8, topk=2, num_local=6)).to(device)
+        fast = fused_experts(*p.args(), **p.kwargs(), backend="sm90")
+        assert not calls
+        out = poison(torch.empty_like(p.x))
+        assert fused_experts(*p.args(), **p.kwargs(), backend="cute", out=out) is out
+        assert not calls
+        kw = p.kwargs()
+        kw["apply_router_weight_on_input"] = 0  # not a bool: the validated path
+        slow = fused_experts(*p.args(), **kw, backend="sm90")
+        assert calls
+        calls.clear()
+        assert torch.equal(fast, slow) and torch.equal(out, fast)
+
+
+@pytest.mark.parametrize("device", LAYER_DEVICES)
+def test_out_views_and_zero_tokens(device):
+    p = _problem("bf16", dict(m=9, e=8, topk=2)).to(device)
+    want = composed(p)
+    wide = poison(torch.empty(9, 200, dtype=p.x.dtype, device=device))
+    out = wide[:, 40:168]  # rows of stride 200
+    LAYER(*op_args(p, out))
+    assert torch.equal(out, want)
+    assert torch.isnan(wide[:, :40].float()).all() and torch.isnan(wide[:, 168:].float()).all()
+    p0 = _problem("fp8_tensor_dynamic", dict(m=0, e=8, topk=2)).to(device)
+    out0 = torch.empty_like(p0.x)
+    LAYER(*op_args(p0, out0))
+    assert fused_experts(*p0.args(), **p0.kwargs(), backend="sm90").shape == (0, 128)
+
+
+def _bad_cases(device):
+    """(what, args mutator, the words the message must hold)."""
+    def f(**kw):
+        return kw
+    fp8 = _problem("fp8_tensor_dynamic", dict(m=4, e=4, topk=2)).to(device)
+    bf16 = _problem("bf16", dict(m=4, e=4, topk=2)).to(device)
+    q = fp8.quant
+    return [
+        (bf16, f(x=bf16.x[None]), "hidden_states must be 2-D"),
+        (bf16, f(x=bf16.x.to(torch.int32)), "hidden_states must have dtype"),
+        (bf16, f(x=bf16.x.t().contiguous().t()), "hidden_states must have stride 1"),
+        (bf16, f(w1=bf16.w1[:, :-1]), "w1 must have shape"),
+        (bf16, f(w2=bf16.w2[:, :-8]), "w2 must have shape"),
+        (bf16, f(w2=bf16.w2.float()), "w1 and w2 must have the same dtype"),
+        (bf16, f(w1=bf16.w1.half(), w2=bf16.w2.half()), "w1 must have the dtype of hidden_states"),
+        (bf16, f(w1_scale=q.w1_scale), "must be None unless the weights are Float8_e4m3fn"),
+        (bf16, f(per_act_token_quant=True), "per_act_token_quant and per_out_ch_quant"),
+        (fp8, f(w1_scale=None), "w1_scale and w2_scale are required"),
+        (fp8, f(w1_scale=q.w1_scale[:-1]), "w1_scale must have shape (num_experts,)"),
+        (fp8, f(w2_scale=q.w2_scale.double()), "w2_scale must have dtype Float"),
+        (fp8, f(per_out_ch_quant=True), "w1_scale must have shape (num_experts, N)"),
+        (fp8, f(a1_scale=torch.ones(2, device=device)), "a1_scale must be a per-tensor scale"),
+        (fp8, f(a2_scale=torch.ones(1, device=device), per_act_token_quant=True),
+         "a2_scale must be None with per_act_token_quant"),
+        (bf16, f(topk_ids=bf16.topk_ids[:, :1]), "topk_ids and topk_weights must have the same"),
+        (bf16, f(topk_ids=bf16.topk_ids.float()), "topk_ids must have dtype"),
+        (bf16, f(topk_weights=bf16.topk_weights.double(), topk_ids=bf16.topk_ids),
+         "topk_weights must have dtype"),
+        (bf16, f(topk_ids=bf16.topk_ids[:3], topk_weights=bf16.topk_weights[:3]),
+         "topk_ids.size(0) must be 4"),
+        (bf16, f(apply_router_weight_on_input=True), "requires topk == 1"),
+        (bf16, f(expert_map=torch.zeros(3, dtype=torch.int32, device=device),
+                 global_num_experts=4), "expert_map must have global_num_experts = 4"),
+        (bf16, f(expert_map=torch.zeros(4, device=device)), "expert_map must have dtype"),
+        (bf16, f(global_num_experts=0), "global_num_experts must be -1 or >= 1"),
+        (bf16, f(out=torch.empty(4, 64, dtype=torch.bfloat16, device=device)),
+         "out must have the shape of hidden_states"),
+        (bf16, f(out=torch.empty(4, 128, device=device)), "out must have the dtype"),
+        (bf16, f(out="x"), "out must not overlap hidden_states"),
+        (bf16, f(w1=torch.zeros(4, 128, 100, dtype=torch.bfloat16, device=device),
+                 w2=torch.zeros(4, 100, 64, dtype=torch.bfloat16, device=device),
+                 x=torch.zeros(4, 100, dtype=torch.bfloat16, device=device),
+                 out=torch.zeros(4, 100, dtype=torch.bfloat16, device=device)),
+         "hidden size H (w1.size(2)) = 100 must be a multiple of 8"),
+        (fp8, f(w1=torch.zeros(4, 24, 128, device=device).to(torch.float8_e4m3fn),
+                w2=torch.zeros(4, 128, 12, device=device).to(torch.float8_e4m3fn)),
+         "intermediate size I (w2.size(2)) = 12 must be a multiple of 16"),
+    ] + ([(bf16, f(w2=bf16.w2.cpu()), "w2 must be on the same device as hidden_states")]
+         if device != "cpu" else [])
+
+
+FP8_OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+NAMES = ("out", "x", "w1", "w2", "topk_weights", "topk_ids", "apply_router_weight_on_input",
+         "global_num_experts", "expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale",
+         "per_act_token_quant", "per_out_ch_quant")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_names_the_argument(device):
+    if device == "cuda" and not SM90:
+        pytest.skip("the layer op needs an SM90 GPU")
+    for p, change, words in _bad_cases(device):
+        args = dict(zip(NAMES, op_args(p, torch.empty_like(p.x))))
+        args.update(change)
+        if isinstance(args["out"], str):
+            args["out"] = args["x"]
+        with pytest.raises(RuntimeError, match=re.escape(words)):
+            LAYER(*args.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    if device == "cuda" and not SM90:
+        pytest.skip("the layer op needs an SM90 GPU")
+    for scheme in ("bf16", "fp8_tensor_static", "fp8_channel"):
+        p = _problem(scheme, dict(m=5, e=4, topk=2, num_local=3)).to(device)
+        before = [t.clone() for t in op_args(p, None)[1:] if isinstance(t, torch.Tensor)]
+        # opcheck's test_schema compares tensors with torch.allclose, which has no float8
+        # kernel: FP8 layers run the other three utils (the read-only check is below).
+        utils = FP8_OPCHECK_UTILS if p.quant is not None else \
+            torch.library._OPCHECK_DEFAULT_UTILS
+        torch.library.opcheck(LAYER, op_args(p, torch.empty_like(p.x)), test_utils=utils)
+        after = [t for t in op_args(p, None)[1:] if isinstance(t, torch.Tensor)]
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(before, after))
+
+
+@gpu
+def test_gpu_cuda_graph_replay_with_new_routing():
+    """A captured layer replayed after the routing changed equals an eager call."""
+    if not SM90:
+        pytest.skip("needs an SM90 GPU")
+    for scheme in SCHEMES:
+        p = _problem(scheme, dict(m=24, e=16, topk=4, num_local=12), h=256, i=128).to("cuda")
+        out = torch.empty_like(p.x)
+        args = op_args(p, out)
+        LAYER(*args)  # warm: slot indices cached, nothing grows during capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            LAYER(*args)
+        for seed in range(3):
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            p.topk_ids.copy_(torch.randint(-2, 18, p.topk_ids.shape, generator=g))
+            p.topk_weights.copy_(torch.rand(p.topk_weights.shape, generator=g))
+            out.fill_(float("nan"))
+            graph.replay()
+            eager = torch.empty_like(out)
+            LAYER(*op_args(p, eager))
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), f"{scheme} seed {seed}"
