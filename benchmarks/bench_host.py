@@ -12,6 +12,10 @@ the host time, not the kernels' time (graph-replayed kernel times: bench_moe.py)
 
     python benchmarks/bench_host.py [--shapes qwen3_30b,mixtral] [--dtypes bf16,fp8_tensor]
         [--backends sm90,triton,torch] [--m 1] [--calls 300] [--out DIR] [--tag host]
+        [--profile] [--op-profile]
+
+`--backends` also takes `sm90_steps`: the sm90 layer composed step by step in Python
+(hopper_moe.backends.sm90.run_steps), the same kernels as backend "sm90"'s one op call.
 
 Results: <out>/<gpu>_<tag>.md. Needs a CUDA device; without one it says so and exits 0.
 Benchmarks never assert.
@@ -29,6 +33,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
+
+
+# Not a backend: the sm90 layer composed in Python, one call per step (the backend before its
+# C++ op), timed beside backend "sm90" to show what the op saves.
+STEPS = "sm90_steps"
 
 
 def import_seconds(repeats: int = 3) -> list[tuple[str, float]]:
@@ -80,6 +89,20 @@ def profile_calls(fn, calls: int, top: int = 25) -> str:
     return buf.getvalue()
 
 
+def torch_profile_calls(fn, calls: int = 50, rows: int = 18) -> str:
+    """torch.profiler over `calls` eager calls: the ops, runtime calls and kernels by own CPU
+    time (what a C++ op spends its host time on, which cProfile cannot see)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows,
+                                     max_name_column_width=60)
+
+
 def event_span_us(fn, iters: int = 50) -> float:
     """Median span of CUDA events recorded before and after one eager call."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile each row's calls with cProfile: the top functions by "
                         "own time go to <out>/<gpu>_<tag>_profile.txt")
+    p.add_argument("--op-profile", action="store_true",
+                   help="also profile 50 calls of each row with torch.profiler (ATen ops, CUDA "
+                        "runtime calls, kernels): <out>/<gpu>_<tag>_ops.txt")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("NO GPU FOUND: the host cost of a CUDA launch needs a CUDA device")
@@ -115,11 +141,13 @@ def main(argv=None) -> int:
     if hm is None:
         print(f"hopper_moe does not import: {err}")
         return 0
+    from hopper_moe.backends.sm90 import run_steps as steps
     from hopper_moe.quant import make_quant_config
 
     dev = torch.device("cuda")
     rows = []
     profiles: list[tuple[str, str]] = []
+    op_profiles: list[tuple[str, str]] = []
     for shape_name in C.parse_list(args.shapes):
         shape = C.SHAPES[shape_name]
         w1, w2 = C.make_weights(shape, dev, seed=0)
@@ -133,6 +161,8 @@ def main(argv=None) -> int:
                 _, tw, ti = C.routing(m, shape.num_experts, shape.top_k, dev, seed=2)
                 for backend in C.parse_list(args.backends):
                     def call():
+                        if backend == STEPS:
+                            return steps(x, w1q, w2q, tw, ti, quant=quant)
                         return hm.fused_experts(x, w1q, w2q, tw, ti, quant=quant,
                                                 backend=backend)
                     try:
@@ -141,9 +171,11 @@ def main(argv=None) -> int:
                         torch.cuda.synchronize()
                         med, p90 = host_us_per_call(call, args.calls)
                         span = event_span_us(call)
+                        title = f"{shape_name} {scheme} M={m} {backend}"
                         if args.profile:
-                            profiles.append((f"{shape_name} {scheme} M={m} {backend}",
-                                             profile_calls(call, args.calls)))
+                            profiles.append((title, profile_calls(call, args.calls)))
+                        if args.op_profile:
+                            op_profiles.append((title, torch_profile_calls(call)))
                         rows.append((shape_name, scheme, m, backend, med, p90, span, ""))
                     except Exception as exc:  # noqa: BLE001  (a row says why it is missing)
                         rows.append((shape_name, scheme, m, backend, None, None, None,
@@ -172,12 +204,13 @@ def main(argv=None) -> int:
         f.write(text)
     print(text)
     print(f"# wrote {path}")
-    if profiles:
-        ppath = path[:-3] + "_profile.txt"
-        with open(ppath, "w") as f:
-            for title, stats in profiles:
-                f.write(f"## {title}\n{stats}\n")
-        print(f"# wrote {ppath}")
+    for suffix, found in (("_profile.txt", profiles), ("_ops.txt", op_profiles)):
+        if found:
+            ppath = path[:-3] + suffix
+            with open(ppath, "w") as f:
+                for title, stats in found:
+                    f.write(f"## {title}\n{stats}\n")
+            print(f"# wrote {ppath}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 - The op is, bit for bit, the composition of hopper_moe's ops it stands for (quantize, permute,
   GEMM1 with SiLU*mul, the quantization between the GEMMs, GEMM2, the weighted sum), written
-  out here step by step with the Python wrappers: on the CPU in CI, on an SM90 GPU too.
+  out step by step with the Python wrappers (hopper_moe.backends.sm90.run_steps): on the CPU
+  in CI, on an SM90 GPU too.
 - fused_experts(backend="sm90") is one call of the op, with the result of the validated path.
 - Bad input: a RuntimeError naming the argument and the rule, on the CPU and CUDA alike.
 - opcheck: schema, fake (meta) implementation, autograd registration, AOT dispatch.
@@ -18,7 +19,8 @@ import torch
 
 from conftest import DEVICES, gpu, poison
 
-from hopper_moe import api, fused_experts, ops, prepare
+from hopper_moe import api, fused_experts
+from hopper_moe.backends import sm90
 from test_fused_moe import make_problem
 
 LAYER = torch.ops.hopper_moe.fused_experts_sm90.default
@@ -37,45 +39,8 @@ def op_args(p, out):
 
 
 def composed(p) -> torch.Tensor:
-    """The layer from hopper_moe's ops, one Python call per step, as the sm90 backend ran it
-    before fused_experts_sm90 existed."""
-    x, w1, w2, q = p.x, p.w1, p.w2, p.quant
-    e = w1.shape[0]
-    num_global = p.global_num_experts if p.expert_map is not None else e
-    if p.expert_map is not None and num_global == -1:
-        num_global = p.expert_map.shape[0]
-    if q is not None:
-        q = q.resolve(w1)
-    if p.apply_router_weight_on_input:
-        x = prepare.router_weighted_input(x, p.topk_weights)
-    if q is None:
-        xq, xs, w1g, w1s = x.to(torch.bfloat16), None, w1.to(torch.bfloat16), None
-        w2g, w2s = w2.to(torch.bfloat16), None
-    else:
-        xq, xs = prepare.quantize_activations(x, q, q.a1_scale)
-        w1g, w1s = w1, prepare.gemm_weight_scales(q.w1_scale, w1, q)
-        w2g, w2s = w2, prepare.gemm_weight_scales(q.w2_scale, w2, q)
-    emap = None if p.expert_map is None else p.expert_map.to(torch.int32)
-    a1, a1s, offsets, inv_idx, _ = ops.moe_permute(xq, xs, p.topk_ids, num_global, e, emap)
-    a2_scale = prepare.gemm1_epilogue_scale(q, x.device)
-    inter = w1.shape[1] // 2
-    y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=x.device)
-    if prepare.gemm1_writes_gemm2_input(q):
-        h = torch.empty((a1.shape[0], inter), device=x.device,
-                        dtype=torch.bfloat16 if q is None else torch.float8_e4m3fn)
-        torch.ops.hopper_moe.moe_grouped_gemm_chain(y, h, a1, w1g, w2g, offsets, a1s, w1s,
-                                                    a2_scale, w2s, True)
-    else:
-        h = torch.empty((a1.shape[0], inter), dtype=torch.bfloat16, device=x.device)
-        torch.ops.hopper_moe.moe_grouped_gemm_silu_mul(h, a1, w1g, offsets, a1s, w1s, None,
-                                                       True, a2_scale)
-        a2, a2s = prepare.quantize_written_rows(h, q, a2_scale, row_end=offsets[-1:])
-        torch.ops.hopper_moe.moe_grouped_gemm(y, a2, w2g, offsets, a2s, w2s, True)
-    weights = torch.ones_like(p.topk_weights, dtype=torch.float32) \
-        if p.apply_router_weight_on_input else p.topk_weights.float()
-    summed = torch.empty((x.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=x.device)
-    ops.moe_unpermute(summed, y, weights, inv_idx, offsets)
-    return summed.to(p.x.dtype)
+    """The layer from hopper_moe's ops, one Python call per step (sm90.run_steps)."""
+    return sm90.run_steps(*p.args(), **p.kwargs())
 
 
 CASES = [

@@ -189,6 +189,39 @@ def fused_experts_sm90(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
     return out
 
 
+def run_steps(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              apply_router_weight_on_input: bool = False, global_num_experts: int = -1,
+              expert_map=None, quant=None) -> torch.Tensor:
+    """The layer of ``fused_experts_sm90`` composed from hopper_moe's ops in Python, one call
+    per step (how this backend ran before the op existed): the op's readable specification.
+    Tests hold the op to it bit for bit; benchmarks/bench_host.py times it beside the op
+    (backend name ``sm90_steps``). Arguments as fused_experts', assumed valid; M > 0."""
+    num_global = w1.shape[0] if expert_map is None else (
+        expert_map.shape[0] if global_num_experts == -1 else global_num_experts)
+    if quant is not None:
+        quant = quant.resolve(w1)
+    a2_scale = prepare.gemm1_epilogue_scale(quant, hidden_states.device)
+    a1, a1_scale, offsets, inv_idx, w1g, w1_scale = _permuted_gemm1_operands(
+        hidden_states, w1, topk_weights, topk_ids, apply_router_weight_on_input, num_global,
+        expert_map, quant)
+    w2g, w2_scale = _gemm2_weights(w2, quant)
+    y = torch.empty((a1.shape[0], w2.shape[1]), dtype=torch.bfloat16, device=a1.device)
+    h = _gemm1_output(a1, w1g, quant)
+    if prepare.gemm1_writes_gemm2_input(quant):
+        _CHAIN(y, h, a1, w1g, w2g, offsets, a1_scale, w1_scale, a2_scale, w2_scale, True)
+    else:
+        a2, a2q_scale = _gemm1_then_quant(h, a1, a1_scale, w1g, w1_scale, offsets, quant, True,
+                                          a2_scale)
+        _GEMM(y, a2, w2g, offsets, a2q_scale, w2_scale, True)
+    weights = torch.ones_like(topk_weights, dtype=torch.float32) \
+        if apply_router_weight_on_input else topk_weights.float().contiguous()
+    summed = torch.empty((hidden_states.shape[0], w2.shape[1]), dtype=torch.bfloat16,
+                         device=a1.device)
+    ops.moe_unpermute(summed, y, weights, inv_idx, offsets)
+    return summed.to(hidden_states.dtype)
+
+
 def run(*args, **kwargs) -> torch.Tensor:
     return fused_experts_sm90(*args, **kwargs)
 
