@@ -54,16 +54,15 @@ constexpr const char* kOp = "fused_experts_sm90";
   HM_LAYER_FORWARD(ns, moe_grouped_gemm_silu_mul)              \
   HM_LAYER_FORWARD(ns, moe_grouped_gemm_chain)
 
-#ifdef HOPPER_MOE_WITH_CUDA
-// The first elements of a contiguous tensor, in the contiguous shape `sizes`, as a tensor that
-// keeps it alive: built directly, without the dispatcher calls of narrow and view (host time
-// per layer call).
-at::Tensor leading(const at::Tensor& base, at::IntArrayRef sizes) {
+// A contiguous tensor of `sizes` and `dtype` over the bytes of `base` from `byte_offset` on,
+// holding a reference to base: built directly, without the dispatcher calls of narrow / view
+// (host time per layer call).
+at::Tensor alias(const at::Tensor& base, int64_t byte_offset, at::IntArrayRef sizes,
+                 at::ScalarType dtype) {
   at::Tensor keep = base;
-  return at::from_blob(base.data_ptr(), sizes, [keep](void*) {}, base.options(),
-                       base.device());
+  return at::from_blob(static_cast<char*>(base.data_ptr()) + byte_offset, sizes,
+                       [keep](void*) {}, base.options().dtype(dtype), base.device());
 }
-#endif
 
 struct CpuOps {
   HM_LAYER_OPS(cpu)
@@ -107,7 +106,7 @@ struct CudaOps {
       const std::lock_guard<std::mutex> guard(lock);
       if (static_cast<size_t>(index) < held.size() && !held[index].empty() &&
           held[index].back().numel() >= rows) {
-        return leading(held[index].back(), {num_tokens, topk});
+        return alias(held[index].back(), 0, {num_tokens, topk}, at::kInt);
       }
     }
     if (c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
@@ -124,7 +123,7 @@ struct CudaOps {
       c10::cuda::getCurrentCUDAStream(index).synchronize();
       list.push_back(std::move(grown));
     }
-    return leading(list.back(), {num_tokens, topk});
+    return alias(list.back(), 0, {num_tokens, topk}, at::kInt);
   }
 };
 #endif
@@ -145,9 +144,7 @@ class Workspace {
     buffer_ = at::empty({std::max<int64_t>(bytes_, 1)}, options.dtype(at::kByte));
   }
   at::Tensor take(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype) const {
-    at::Tensor keep = buffer_;
-    return at::from_blob(static_cast<char*>(buffer_.data_ptr()) + offset, sizes,
-                         [keep](void*) {}, buffer_.options().dtype(dtype), buffer_.device());
+    return alias(buffer_, offset, sizes, dtype);
   }
 
  private:
@@ -277,7 +274,7 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
     Ops::moe_grouped_gemm_silu_mul(h, a1, w1g, offsets, a1s, w1s, std::nullopt, offsets_ready,
                                    a2s, "");
     // Only the rows before offsets[E] (those GEMM1 wrote) are read and quantized.
-    const at::Tensor row_end = ws.take(offsets_at + num_experts * 8, {1}, at::kLong);
+    const at::Tensor row_end = ws.take(offsets_at + num_experts * int64_t{sizeof(int64_t)}, {1}, at::kLong);
     at::Tensor a2 = ws.take(a2_at, {slots, inter}, kE4m3);
     at::Tensor a2_scales = dynamic_tensor_a2 ? *a2s : ws.take(a2_scale_at, {slots, 1}, kF32);
     Ops::fp8_quant_rows(a2, h, a2_scales, dynamic_tensor_a2 ? "static_tensor" : "per_token", 0,
