@@ -1,12 +1,14 @@
 """Routing ops: topk_softmax, topk_sigmoid, grouped_topk.
 
 CPU op vs the fp32 reference (ids exact; weights within a few ulps, since the reference uses
-torch.exp while the ops share routing::exp_f32), edge cases (T = 0 and 1, E not a power of two,
+torch.exp while the ops share routing::exp_f32; grouped_topk's sigmoid is torch.tanh's form on
+either device, bit for bit), edge cases (T = 0 and 1, E not a power of two,
 K = E, tied rows, NaN/inf rows, bias, padding, renormalize, strided and misaligned gating), the
 behaviours vLLM 0.33's kernels define (non-finite logits: finite weights and distinct ids; ties:
 lowest id first; grouped_topk: every scores x bias dtype pair, fp32 sigmoid), every argument
 check, opcheck. On a GPU: the CUDA op vs the CPU op bit for bit (same arithmetic by
-construction) over many shapes, dtypes and index dtypes, through both kernel paths (rows in
+construction; grouped_topk's sigmoid scores, whose tanh is each device's own, are computed on
+the GPU and handed to the CPU op) over many shapes, dtypes and index dtypes, through both kernel paths (rows in
 shared memory, E <= 1024; rows in a global workspace, E > 1024) and both load paths (16-byte
 vectors, scalars), plus determinism over 20 reruns and CUDA-graph replay.
 """
@@ -125,8 +127,29 @@ def run_grouped(x, n_group, topk_group, topk, renormalize, scale, bias, scoring_
 
 
 def ref_grouped(x, n_group, topk_group, topk, renormalize, scale, bias, scoring_func):
-    return ref.grouped_topk(x.cpu(), n_group, topk_group, topk, renormalize, scale, bias.cpu(),
-                            scoring_func)
+    """The reference on x's device (its sigmoid is that device's torch.tanh, as the op's),
+    returned on the CPU."""
+    weights, ids = ref.grouped_topk(x, n_group, topk_group, topk, renormalize, scale,
+                                    bias.to(x.device), scoring_func)
+    return weights.cpu(), ids.cpu()
+
+
+def device_sigmoid_scores(x):
+    """grouped_topk's sigmoid scores as x's device computes them, NaN where x is not finite
+    (such an expert is invalid under either scoring_func)."""
+    xf = x.float()
+    s = 0.5 * torch.tanh(0.5 * xf) + 0.5
+    return torch.where(torch.isfinite(xf), s, torch.full_like(s, NAN))
+
+
+def cpu_twin_grouped(x, n_group, topk_group, topk, renormalize, scale, bias, scoring_func):
+    """The CPU op on what the op sees on x's device. Everything after the sigmoid is shared by
+    the two devices bit for bit; the sigmoid's tanh is each device's own, so under
+    scoring_func 1 the scores x's device computes go in with scoring_func 0."""
+    if scoring_func == 1:
+        x, scoring_func = device_sigmoid_scores(x), 0
+    return run_grouped(x.cpu(), n_group, topk_group, topk, renormalize, scale, bias.cpu(),
+                       scoring_func)
 
 
 def gating_variants(op, E, dtype, device="cpu"):
@@ -568,6 +591,48 @@ def test_grouped_topk_sigmoid_is_fp32_not_rounded_to_input_dtype(device):
         assert weights.item() != x.sigmoid()[0, 1].float().item()
 
 
+def all_finite_values(dtype):
+    """Every finite value of a 16-bit float dtype."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    return x[torch.isfinite(x.float())]
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_grouped_topk_sigmoid_is_torch_tanh_form(device):
+    """The score of scoring_func 1 is 0.5 * torch.tanh(0.5 * x) + 0.5 on the op's device, bit for
+    bit: every finite bf16 and fp16 logit and a million fp32 ones, as the weight of a one-expert
+    row. (1 / (1 + exp(-x)) differs from it on about 4% of the bf16 values.)"""
+    fp32 = torch.randn(1 << 20, generator=seeded(40)) * 8
+    fp32[:1000] = torch.linspace(-1e-6, 1e-6, 1000)
+    for x in (all_finite_values(torch.bfloat16), all_finite_values(torch.float16), fp32):
+        x = x.to(device).view(-1, 1)
+        weights, ids = run_grouped(x, 1, 1, 1, False, 1.0, torch.zeros(1, device=device), 1)
+        assert_bitwise_equal(weights, device_sigmoid_scores(x))
+        assert bool((ids == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grouped_topk_single_group_ids_match_stable_argsort(seed, device):
+    """vLLM's single-group case (1536 tokens, 896 experts, top 16, sigmoid, renormalize): ids
+    equal a stable descending argsort of the tanh-form score plus bias computed on the same
+    device, in order, even where two experts' scores are an ulp apart."""
+    logits = torch.randn(1536, 896, generator=seeded(seed)).to(torch.bfloat16).to(device)
+    bias = torch.randn(896, generator=seeded(seed + 100)).to(device)
+    weights, ids = run_grouped(logits, 1, 1, 16, True, 1.0, bias, 1)
+    s = 0.5 * torch.tanh(0.5 * logits.float()) + 0.5
+    want = torch.argsort(s + bias, dim=-1, descending=True, stable=True)[:, :16]
+    assert torch.equal(ids.long(), want)
+    values = s.gather(1, want)
+    values = values / (values.sum(dim=-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(weights, values, atol=2e-5, rtol=0)
+    # and bit for bit the op on those scores with scoring_func 0
+    twin = run_grouped(device_sigmoid_scores(logits), 1, 1, 16, True, 1.0, bias, 0)
+    assert_bitwise_equal(weights, twin[0])
+    assert_bitwise_equal(ids, twin[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # argument checks (each one hit, on the CPU and on the GPU)
 
@@ -813,17 +878,19 @@ GPU_GATING_SHAPES = [  # (T, E, K)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", GATING_OPS)
 def test_gating_gpu_matches_cpu(op, dtype, T, E, K, layout):
-    x = make_logits(T, E + 3, dtype, seed=E * 7 + K)
+    full = make_logits(T, E + 3, dtype, seed=E * 7 + K)
     # "strided": row stride E + 3 and a start 2 elements in (scalar loads); "contiguous": 16-byte
-    # loads wherever E allows
-    x = x[:, 2:E + 2] if layout == "strided" else x[:, :E].contiguous()
+    # loads wherever E allows. Sliced on each device (.cuda() of a slice would be contiguous).
+    x, xc = ((f[:, 2:E + 2] if layout == "strided" else f[:, :E].contiguous())
+             for f in (full, full.cuda()))
+    assert xc.is_contiguous() == (layout == "contiguous" or T == 1)
     pad = torch.rand(T, generator=seeded(T)) < 0.2
     index_dtypes = [torch.int32, torch.int64, torch.uint32, torch.int32]
     for n, (renormalize, bias, scale) in enumerate(gating_variants(op, E, dtype)):
         is_padding = pad if n == 3 else None
         args = (K, renormalize, bias, is_padding, scale, index_dtypes[n])
         cpu = run_gating(op, x, *args)
-        cuda = run_gating(op, x.cuda(), K, renormalize, None if bias is None else bias.cuda(),
+        cuda = run_gating(op, xc, K, renormalize, None if bias is None else bias.cuda(),
                           None if is_padding is None else is_padding.cuda(), scale,
                           index_dtypes[n])
         for a, b in zip(cuda, cpu):
@@ -883,14 +950,15 @@ GPU_GROUPED_CASES = [  # (T, E, n_group, topk_group, topk)
 @pytest.mark.parametrize("T,E,n_group,topk_group,topk", GPU_GROUPED_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_topk_gpu_matches_cpu(dtype, T, E, n_group, topk_group, topk, layout):
-    x = make_logits(T, E + 5, dtype, seed=E + n_group)
-    x = x[:, 1:E + 1] if layout == "strided" else x[:, :E].contiguous()
+    full = make_logits(T, E + 5, dtype, seed=E + n_group).cuda()
+    x = full[:, 1:E + 1] if layout == "strided" else full[:, :E].contiguous()
+    assert x.is_contiguous() == (layout == "contiguous" or T == 1)
     for scoring_func in (0, 1):
         for renormalize, bias_dtype, scale in [(True, torch.float32, 2.5), (False, dtype, 1.0)]:
             bias = make_bias(E, "sigmoid", bias_dtype, seed=E)
             args = (n_group, topk_group, topk, renormalize, scale)
-            cpu = run_grouped(x, *args, bias, scoring_func)
-            cuda = run_grouped(x.cuda(), *args, bias.cuda(), scoring_func)
+            cpu = cpu_twin_grouped(x, *args, bias, scoring_func)
+            cuda = run_grouped(x, *args, bias.cuda(), scoring_func)
             assert cuda[0].device.type == cuda[1].device.type == "cuda"
             assert_bitwise_equal(cuda[0], cpu[0])
             assert_bitwise_equal(cuda[1], cpu[1])
@@ -907,7 +975,7 @@ def test_grouped_topk_gpu_many_tokens_and_nonfinite():
     x[::83] = -INF
     bias = make_bias(256, "sigmoid")
     for scoring_func in (0, 1):
-        cpu = run_grouped(x, 8, 4, 8, True, 2.5, bias, scoring_func)
+        cpu = cpu_twin_grouped(x.cuda(), 8, 4, 8, True, 2.5, bias, scoring_func)
         cuda = run_grouped(x.cuda(), 8, 4, 8, True, 2.5, bias.cuda(), scoring_func)
         assert_bitwise_equal(cuda[0], cpu[0])
         assert_bitwise_equal(cuda[1], cpu[1])
@@ -934,7 +1002,7 @@ def test_grouped_topk_gpu_dtype_pairs_and_nonfinite_match_cpu(dtype, bias_dtype)
         for scoring_func in (0, 1):
             for renormalize, scale in [(True, 2.5), (False, 1.0)]:
                 args = (n_group, topk_group, topk, renormalize, scale)
-                cpu = run_grouped(x, *args, bias, scoring_func)
+                cpu = cpu_twin_grouped(x.cuda(), *args, bias, scoring_func)
                 cuda = run_grouped(x.cuda(), *args, bias.cuda(), scoring_func)
                 assert_bitwise_equal(cuda[0], cpu[0])
                 assert_bitwise_equal(cuda[1], cpu[1])

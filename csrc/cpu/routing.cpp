@@ -2,7 +2,8 @@
 //
 // These loops ARE the semantics; the CUDA kernels reproduce them bit for bit (same float
 // operations through topk_math.cuh, sums in the same order) and the tests compare the two with
-// torch.equal. Same semantics as vLLM 0.33's kernels, with these decisions where vLLM is
+// torch.equal. The one exception is grouped_topk's sigmoid, whose tanh is each device's own
+// (below): the tests give both devices the same scores to compare the rest bit for bit. Same semantics as vLLM 0.33's kernels, with these decisions where vLLM is
 // ambiguous (docs/OPS.md, "Routing", says why):
 //
 // Rank order (every selection below): higher score first; a NaN score ranks after every number,
@@ -23,8 +24,9 @@
 //   factor after the optional renormalization, always).
 // Both: is_padding[t] rows get ids -1 and weights 0; token_expert_indices[t, k] = k * T + t on
 //   every row.
-// grouped_topk: s[e] = sigmoid(x[e]) in fp32 (scoring_func 1; never rounded to the scores
-//   dtype, as vLLM's kernels) or x[e] (0). Expert e is valid when x[e], bias[e] and
+// grouped_topk: s[e] = 0.5 * tanh(x[e] / 2) + 0.5 in fp32 (scoring_func 1; vLLM's form, never
+//   rounded to the scores dtype, as vLLM's kernels; the tanh is torch's on the CPU and tanhf in
+//   the kernel, so that s is what torch computes on each device) or x[e] (0). Expert e is valid when x[e], bias[e] and
 //   sb[e] = s[e] + float(bias[e]) are all finite; an invalid expert gets sb[e] = -inf (so it
 //   ranks after every valid one; -inf ties go to the lower id) and weight 0.
 //   Group g holds experts [g*G, (g+1)*G), G = E / n_group; its score is sb of its best expert
@@ -46,6 +48,8 @@
 #include <numeric>
 #include <vector>
 
+#include <ATen/ops/tanh.h>
+
 #include "hopper_moe/moe/topk_math.cuh"
 #include "ops.h"
 
@@ -55,6 +59,7 @@ namespace {
 using routing::div_f32;
 using routing::exp_f32;
 using routing::finite_f32;
+using routing::grouped_sigmoid;
 using routing::sigmoid_f32;
 
 // True when expert (or group) a with score sa is picked before b with score sb.
@@ -195,6 +200,10 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
   const int64_t G = E / n_group;
   const at::Tensor x = as_f32_rows(scores);
   const at::Tensor b = bias.to(at::kFloat).contiguous();
+  // tanh(x / 2) by torch's own CPU tanh: grouped_sigmoid below is then bit for bit
+  // 0.5 * torch.tanh(0.5 * x) + 0.5 on this machine, whatever vector unit it has.
+  const at::Tensor half_tanh = scoring_func == 1 ? at::tanh(x.mul(0.5)) : at::Tensor();
+  const float* tp = scoring_func == 1 ? half_tanh.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
   float* wp = weights.data_ptr<float>();
@@ -208,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk(const at::Tensor& scores, int64_
   for (int64_t t = 0; t < T; ++t) {
     const float* row = xp + t * E;
     for (int64_t e = 0; e < E; ++e) {
-      const float v = scoring_func == 1 ? sigmoid_f32(row[e]) : row[e];
+      const float v = scoring_func == 1 ? grouped_sigmoid(tp[t * E + e]) : row[e];
       const float biased = v + bp[e];
       const bool valid = finite_f32(row[e]) && finite_f32(bp[e]) && finite_f32(biased);
       s[e] = valid ? v : 0.0f;

@@ -8,16 +8,18 @@ The semantics (documented in full in csrc/cpu/routing.cpp):
     not finite counts as 0 (a softmax row holding NaN or +inf, or only -inf, is all zeros; a
     NaN logit under sigmoid is 0); renormalize divides by the weights' sum (by 1 when that sum
     is not > 0); is_padding rows get ids -1, weights 0; token_expert_indices[t, k] = k * T + t;
-  * grouped_topk (DeepSeek-V3): scores s = sigmoid(x) in fp32 or x; an expert whose x, bias or
-    s + bias is not finite is invalid: biased score -inf, weight 0. Group score = sum of the
-    group's best two biased scores; keep the topk_group best groups; pick topk by biased score
-    among their experts; weights are the unbiased scores, renormalized by (sum + 1e-20), times
-    routed_scaling_factor; a row whose picks are all invalid gets weights 1/topk
-    (renormalize) or 0.
+  * grouped_topk (DeepSeek-V3): scores s = 0.5 * tanh(x / 2) + 0.5 in fp32 (vLLM's form) or
+    x; an expert whose x, bias or s + bias is not finite is invalid: biased score -inf, weight
+    0. Group score = sum of the group's best two biased scores; keep the topk_group best
+    groups; pick topk by biased score among their experts; weights are the unbiased scores,
+    renormalized by (sum + 1e-20), times routed_scaling_factor; a row whose picks are all
+    invalid gets weights 1/topk (renormalize) or 0.
 
-Written with plain torch ops (exp, sort, gather): independent of the C++ code, which shares its
-exp with the kernels. Weights agree with the ops to a few ulps; ids exactly, except where two
-scores are within a few ulps of each other.
+Written with plain torch ops (exp, tanh, sort, gather): independent of the C++ code, which
+shares its exp with the kernels. Weights agree with the ops to a few ulps; ids exactly, except
+where two scores are within a few ulps of each other. grouped_topk's sigmoid is torch.tanh on
+the input's device in both (the op calls torch's tanh on the CPU and CUDA's tanhf, which is
+torch's, in the kernel), so its scores are equal, not just close.
 """
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
+
+
+def _grouped_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    # vLLM's form for grouped_topk; the op computes exactly this on either device.
+    return 0.5 * torch.tanh(0.5 * x) + 0.5
 
 
 def _zero_if_not_finite(p: torch.Tensor) -> torch.Tensor:
@@ -101,7 +108,7 @@ def grouped_topk(scores: torch.Tensor, n_group: int, topk_group: int, topk: int,
     num_tokens, num_experts = scores.shape
     group_size = num_experts // n_group
     x = scores.float()
-    s = _sigmoid(x) if scoring_func == 1 else x
+    s = _grouped_sigmoid(x) if scoring_func == 1 else x
     sb = s + bias.float()
     valid = torch.isfinite(x) & torch.isfinite(bias.float())[None, :] & torch.isfinite(sb)
     s = torch.where(valid, s, torch.zeros_like(s))

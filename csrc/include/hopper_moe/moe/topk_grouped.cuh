@@ -3,8 +3,8 @@
 // Layout: blocks of kWarpsPerBlock independent warps, one token row per warp at a time
 // (grid-stride). The warp's scratch row (shared memory for E <= kMaxSmemExperts, else a global
 // workspace) holds E value words followed by n_group group words. Per row:
-//   1. s = f(x) (sigmoid in fp32, or x as is), sb = s + bias[e]; store sb, or -inf when x,
-//      bias[e] or sb is not finite (an invalid expert);
+//   1. s = f(x) (0.5 * tanhf(x / 2) + 0.5 in fp32, or x as is), sb = s + bias[e]; store sb,
+//      or -inf when x, bias[e] or sb is not finite (an invalid expert);
 //   2. group scores: lanes split into sub-warps of `lanes_per_group` lanes (a power of two;
 //      1 when n_group >= 32), one sub-warp per group, each finds its group's top-2 sb
 //      candidates (sub-warp butterfly on uint64 candidates) and stores sb1 + sb2 (sb1 alone
@@ -47,7 +47,7 @@ struct GroupedTopkParams {
 template <bool kSigmoid>
 __device__ __forceinline__ float grouped_score(float x) {
   if constexpr (kSigmoid) {
-    return sigmoid_f32(x);
+    return grouped_sigmoid_of_logit(x);
   } else {
     return x;
   }

@@ -81,7 +81,21 @@ HM_ROUTING_HD float div_f32(float a, float b) {
 // Neither NaN nor +-inf.
 HM_ROUTING_HD bool finite_f32(float x) { return (f32_to_bits(x) & 0x7f800000u) != 0x7f800000u; }
 
-// 1 / (1 + exp(-x)): sigmoid(-inf) = 0, sigmoid(+inf) = 1, sigmoid(NaN) = NaN.
+// grouped_topk's sigmoid, 0.5 * tanh(x / 2) + 0.5, from t = tanh(x / 2): the form vLLM's
+// grouped-top-k kernels and its tests' references compute. The tanh is each device's own
+// (torch's CPU tanh, CUDA's tanhf: what torch.tanh computes there), so the score equals
+// 0.5 * torch.tanh(0.5 * x) + 0.5 on the same device bit for bit; the two devices may differ by
+// an ulp of the tanh. 0.5 * t is exact, so the one rounding is the add's.
+HM_ROUTING_HD float grouped_sigmoid(float t) { return fadd_rn(fmul_rn(0.5f, t), 0.5f); }
+
+#ifdef __CUDACC__
+__device__ __forceinline__ float grouped_sigmoid_of_logit(float x) {
+  return grouped_sigmoid(tanhf(fmul_rn(0.5f, x)));
+}
+#endif
+
+// topk_sigmoid's sigmoid, 1 / (1 + exp(-x)): sigmoid(-inf) = 0, sigmoid(+inf) = 1,
+// sigmoid(NaN) = NaN.
 HM_ROUTING_HD float sigmoid_f32(float x) {
   return div_f32(1.0f, fadd_rn(1.0f, exp_f32(-x)));
 }
