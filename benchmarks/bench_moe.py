@@ -45,10 +45,15 @@ PEER_BACKENDS = {"peer": "engine", "peer_default": "default", "peer_swap": "swap
 # GEMM from the same headers (peer_cutlass.py), GEMM-only; the summary's "best × cutlass"
 # takes the fastest of them. Like the peer, never a row's best.
 CUTLASS_BACKENDS = tuple(peer_cutlass.BACKENDS)
+# --backends ...,sm90_steps: the sm90 layer composed op by op in Python
+# (hopper_moe.backends.sm90.run_steps: moe_permute's copy of the rows, then the GEMM chain):
+# under CUDA graphs the previous form of the layer op's GPU work, an A/B control in the same
+# run. Never a row's best.
+STEPS = "sm90_steps"
 # Starts the error of a row its backend cannot run (no CUTLASS variant for the scheme, or a
 # hopper_moe backend whose supports() says no): the row is not called and reads n/a, not fail.
 NOT_APPLICABLE = "not applicable: "
-NOT_OURS = ("reference", READ_CONTROL, *PEER_BACKENDS, *CUTLASS_BACKENDS)
+NOT_OURS = ("reference", READ_CONTROL, STEPS, *PEER_BACKENDS, *CUTLASS_BACKENDS)
 # Relative errors above these are marked "!" (the tests own the real tolerances).
 ERR_MARK = {"bf16": 1e-2, "fp8_tensor": 6e-2, "fp8_channel": 6e-2, "fp8_block": 6e-2}
 
@@ -78,6 +83,8 @@ class Lib:
     def fused_experts(self, x, w1, w2, tw, ti, quant, backend):
         if backend in PEER_BACKENDS:
             return self.peer(backend)(x, w1, w2, tw, ti, quant)
+        if backend == STEPS:
+            return self.module("backends.sm90").run_steps(x, w1, w2, tw, ti, quant=quant)
         return self.hm.fused_experts(x, w1, w2, tw, ti, quant=quant, backend=backend)
 
     def peer(self, backend: str = PEER):
@@ -300,7 +307,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the fp32 check, only when named; read, with --gemm-only: a kernel "
                         "that only reads the GEMMs' weights, read_control.py; peer*: the "
                         "engine's Triton pipeline with its own tiles, its default rule, "
-                        "swap-AB flipped, peer_vllm.py)")
+                        "swap-AB flipped, peer_vllm.py; sm90_steps: the sm90 layer composed "
+                        "op by op, an A/B control)")
     p.add_argument("--peer-dir", default=None,
                    help="folder of the engine's extracted Triton kernel and configs for the "
                         "peer backend (default: peer_vllm.default_dir(); made by python "

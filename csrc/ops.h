@@ -130,6 +130,27 @@ using OptTensor = std::optional<at::Tensor>;
    const OptTensor& w1_scale, const OptTensor& w2_scale, const OptTensor& a1_scale,           \
    const OptTensor& a2_scale, bool per_act_token_quant, bool per_out_ch_quant)
 
+// The layer's GEMM1 over rows gathered from the unpermuted input: row r of the GEMM's A
+// operand is x[perm[r] / topk] (perm: moe_permute's permuted_idx; rows at or past the expert
+// offsets' end are never read), and per-row a_scales are x's rows' ([x.size(0)]). No permuted
+// copy of x is made on the GPU: the kernel's producer gathers the rows. Not ops (no schema):
+// fused_experts_sm90 checks its arguments before it calls them.
+struct RowGather {
+  const at::Tensor& x;     // [num_tokens, K], rows 16-byte aligned
+  const at::Tensor& perm;  // int32 [>= rows]
+  int64_t topk;
+};
+#define HOPPER_MOE_DECLARE_GATHERED_GEMMS                                                      \
+  void moe_grouped_gemm_silu_mul_gathered(                                                     \
+      at::Tensor& out, const RowGather& a, const at::Tensor& b,                                \
+      const at::Tensor& expert_offsets, const OptTensor& a_scales, const OptTensor& b_scales,  \
+      const OptTensor& out_scale, bool offsets_ready, const OptTensor& amax_scale);            \
+  void moe_grouped_gemm_chain_gathered(                                                        \
+      at::Tensor& out, at::Tensor& h, const RowGather& a, const at::Tensor& w1,                \
+      const at::Tensor& w2, const at::Tensor& expert_offsets, const OptTensor& a_scales,       \
+      const OptTensor& w1_scales, const OptTensor& h_scale, const OptTensor& w2_scales,        \
+      bool offsets_ready);
+
 // What check::fused_experts_sm90 resolves from a valid call.
 struct LayerScheme {
   bool fp8 = false;            // e4m3 weights (else 16-bit, run in bf16)
@@ -156,6 +177,7 @@ heuristics::GroupedGemmOverride grouped_gemm_config(const char* op, c10::string_
 
 namespace cpu {
 HOPPER_MOE_DECLARE_OPS
+HOPPER_MOE_DECLARE_GATHERED_GEMMS
 std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
 void fused_experts_sm90 HOPPER_MOE_LAYER_ARGS;
 }  // namespace cpu
@@ -163,6 +185,7 @@ void fused_experts_sm90 HOPPER_MOE_LAYER_ARGS;
 #ifdef HOPPER_MOE_WITH_CUDA
 namespace cuda {
 HOPPER_MOE_DECLARE_OPS
+HOPPER_MOE_DECLARE_GATHERED_GEMMS
 std::tuple<at::Tensor, at::Tensor> grouped_topk HOPPER_MOE_GROUPED_TOPK_ARGS;
 void fused_experts_sm90 HOPPER_MOE_LAYER_ARGS;
 }  // namespace cuda

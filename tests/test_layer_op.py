@@ -3,7 +3,8 @@
 - The op is, bit for bit, the composition of hopper_moe's ops it stands for (quantize, permute,
   GEMM1 with SiLU*mul, the quantization between the GEMMs, GEMM2, the weighted sum), written
   out step by step with the Python wrappers (hopper_moe.backends.sm90.run_steps): on the CPU
-  in CI, on an SM90 GPU too.
+  in CI, on an SM90 GPU too, where the op's GEMM1 gathers x's rows in its producer instead of
+  reading moe_permute's copy.
 - fused_experts(backend="sm90") is one call of the op, with the result of the validated path.
 - Bad input: a RuntimeError naming the argument and the rule, on the CPU and CUDA alike.
 - opcheck: schema, fake (meta) implementation, autograd registration, AOT dispatch.
@@ -70,6 +71,21 @@ def test_op_equals_its_steps(device, scheme):
         LAYER(*op_args(p, out))
         want = composed(p)
         assert torch.equal(out, want), f"{device} {scheme} {case}"
+
+
+@pytest.mark.parametrize("device", LAYER_DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_op_equals_its_steps_off_the_tiles(device, scheme):
+    """GEMM1 reads x's rows through the sort's permutation (on the GPU its producer gathers
+    them): hidden sizes off the k-tile (a zero-filled K tail), token tiles only partly filled,
+    and enough tokens for the standard mapping give the permuted copy's result bit for bit."""
+    h = 200 if scheme == "bf16" else 208  # 16-byte rows, not multiples of the 64 / 128 k-tile
+    for case in (dict(m=3, e=8, topk=2), dict(m=50, e=4, topk=3, num_local=3),
+                 dict(m=700, e=4, topk=2, invalid_ids=True)):
+        p = _problem(scheme, case, h=h, i=80).to(device)
+        out = poison(torch.empty_like(p.x))
+        LAYER(*op_args(p, out))
+        assert torch.equal(out, composed(p)), f"{device} {scheme} {case}"
 
 
 @pytest.mark.parametrize("device", LAYER_DEVICES)

@@ -221,8 +221,10 @@ def test_gemm1_silu_epilogue_rounds_as_vllm_stores(dtype):
     """round_dtype: the epilogue rounds gate and up (GEMM1's output), silu(gate) and the
     product to the layer's 16-bit dtype, as vLLM's unfused pipeline (GEMM1 -> silu_and_mul)
     stores them, so an FP8 requantization afterwards sees vLLM's values. Against that
-    rounding order: equal but for accumulation-order ties (a few elements one ulp apart);
-    the fp32 product rounded once differs in many more elements."""
+    rounding order: equal but for accumulation-order ties (a few elements: a gate or up value
+    rounded to the neighbouring 16-bit value moves the product by up to two ulps; which ones
+    depends on the CPU's fp32 matmul order in the reference); the fp32 product rounded once
+    differs in many more elements."""
     from hopper_moe.backends.triton import Routing, invoke_moe_gemm
 
     g = seeded(23)
@@ -246,7 +248,7 @@ def test_gemm1_silu_epilogue_rounds_as_vllm_stores(dtype):
     fp32_once = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]).to(dtype).float()
     got = act.float().cpu()
     ulp = got.abs().clamp_min(2.0 ** -14) * (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10)
-    assert ((got - vllm_order).abs() <= 1.01 * ulp).all()
+    assert ((got - vllm_order).abs() <= 2.01 * ulp).all()
     differ_vllm = (got != vllm_order).float().mean().item()
     differ_fp32 = (got != fp32_once).float().mean().item()
     assert differ_vllm < 0.01 and differ_vllm < differ_fp32 / 4, (differ_vllm, differ_fp32)

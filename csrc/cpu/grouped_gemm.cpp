@@ -91,6 +91,44 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
   moe_grouped_gemm(out, h, w2, expert_offsets, h_scale, w2_scales, offsets_ready, "");
 }
 
+// The gathered GEMM1 of the layer: the permuted copy of x (and of per-row scales) that the
+// CUDA kernel never makes, then the ops above. Rows past the valid ones (perm holds the slot
+// count there) take a clamped index; no GEMM reads them.
+namespace {
+at::Tensor gather_rows(const at::Tensor& t, const RowGather& g, int64_t rows) {
+  const int64_t slots = g.x.size(0) * g.topk;
+  const at::Tensor src = g.perm.slice(0, 0, rows).to(at::kLong).clamp(0, std::max<int64_t>(slots - 1, 0))
+                             .div(g.topk, "floor");
+  return t.index_select(0, src);
+}
+OptTensor gather_scales(const OptTensor& a_scales, const RowGather& g, int64_t rows) {
+  if (!a_scales || a_scales->numel() == 1) return a_scales;
+  return gather_rows(a_scales->reshape({-1, 1}), g, rows);
+}
+}  // namespace
+
+void moe_grouped_gemm_silu_mul_gathered(at::Tensor& out, const RowGather& a, const at::Tensor& b,
+                                        const at::Tensor& expert_offsets,
+                                        const OptTensor& a_scales, const OptTensor& b_scales,
+                                        const OptTensor& out_scale, bool offsets_ready,
+                                        const OptTensor& amax_scale) {
+  const int64_t rows = out.size(0);
+  moe_grouped_gemm_silu_mul(out, gather_rows(a.x, a, rows), b, expert_offsets,
+                            gather_scales(a_scales, a, rows), b_scales, out_scale, offsets_ready,
+                            amax_scale, "");
+}
+
+void moe_grouped_gemm_chain_gathered(at::Tensor& out, at::Tensor& h, const RowGather& a,
+                                     const at::Tensor& w1, const at::Tensor& w2,
+                                     const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                                     const OptTensor& w1_scales, const OptTensor& h_scale,
+                                     const OptTensor& w2_scales, bool offsets_ready) {
+  const int64_t rows = out.size(0);
+  moe_grouped_gemm_chain(out, h, gather_rows(a.x, a, rows), w1, w2, expert_offsets,
+                         gather_scales(a_scales, a, rows), w1_scales, h_scale, w2_scales,
+                         offsets_ready, "");
+}
+
 // cutlass_moe_mm: moe_grouped_gemm over the row ranges of gemm/cutlass_moe_mm_args.h.
 void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
                     const at::Tensor& b_tensors, const at::Tensor& a_scales,

@@ -2,8 +2,9 @@
 // so that an eager call costs one dispatch: argument checks, buffers (the caching allocator)
 // and launches are all here, in C++.
 //
-//   (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets int64 [E + 1]) ->
-//   GEMM1 with SiLU*mul in its epilogue (+ static FP8 quant, or the amax of a dynamic scale) ->
+//   moe_permute's sort (rows in expert order, expert offsets int64 [E + 1]) -> (FP8 quant of
+//   x) -> GEMM1 over x's rows gathered by its producer, SiLU*mul in its epilogue (+ static FP8
+//   quant, or the amax of a dynamic scale) ->
 //   (FP8 quant of the rows GEMM1 wrote: dynamic per tensor / per token) ->
 //   GEMM2 -> moe_unpermute (weighted sum over k in fp32, rounded once to bf16)
 //
@@ -18,6 +19,7 @@
 #include <ATen/ops/ones.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 #include "hopper_moe/common/checks.h"
@@ -52,7 +54,9 @@ constexpr const char* kOp = "fused_experts_sm90";
   HM_LAYER_FORWARD(ns, moe_unpermute)                          \
   HM_LAYER_FORWARD(ns, moe_grouped_gemm)                       \
   HM_LAYER_FORWARD(ns, moe_grouped_gemm_silu_mul)              \
-  HM_LAYER_FORWARD(ns, moe_grouped_gemm_chain)
+  HM_LAYER_FORWARD(ns, moe_grouped_gemm_chain)                 \
+  HM_LAYER_FORWARD(ns, moe_grouped_gemm_silu_mul_gathered)     \
+  HM_LAYER_FORWARD(ns, moe_grouped_gemm_chain_gathered)
 
 // A contiguous tensor of `sizes` and `dtype` over the bytes of `base` from `byte_offset` on,
 // holding a reference to base: built directly, without the dispatcher calls of narrow / view
@@ -186,7 +190,6 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
       s.fp8 && (s.per_act_token || !a1_scale) ? ws.reserve(s.per_act_token ? num_tokens : 1, kF32)
                                               : -1;
   const int64_t a2_floor_at = dynamic_tensor_a2 ? ws.reserve(1, kF32) : -1;
-  const int64_t a1_at = ws.reserve(slots * hidden, gemm_dtype);
   const int64_t offsets_at = ws.reserve(num_experts + 1, at::kLong);
   const int64_t inv_at = ws.reserve(slots, at::kInt);
   const int64_t perm_at = ws.reserve(slots, at::kInt);
@@ -199,21 +202,41 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
 
   OptTensor a2s;
   if (dynamic_tensor_a2) {
-    // Started at the floor before the gather (a fill kernel), so that GEMM1 follows the gather.
+    // Started at the floor first (a fill kernel), so that no kernel of ours waits on it.
     a2s = ws.take(a2_floor_at, {1}, kF32);
     a2s->fill_(fp8::kMinScale);
   } else if (s.fp8 && !s.per_act_token) {
     a2s = *a2_scale;
   }
 
-  // GEMM1's input rows, quantized once per token.
+  // The rows in expert order: moe_permute's sort alone (an input of width 0, so it copies no
+  // row): offsets, inv_idx and perm. Slots that do not count sort after offsets[E], where no
+  // GEMM reads or writes. GEMM1 reads its rows of x through perm (RowGather).
+  const at::Tensor ids = topk_ids.contiguous();
+  OptTensor map;
+  if (expert_map) map = as_dtype(*expert_map, at::kInt).contiguous();
+  at::Tensor slot_ids = Ops::slot_indices(num_tokens, topk, hidden_states);
+  at::Tensor offsets = ws.take(offsets_at, {num_experts + 1}, at::kLong);
+  at::Tensor inv_idx = ws.take(inv_at, {num_tokens, topk}, at::kInt);
+  at::Tensor perm = ws.take(perm_at, {slots}, at::kInt);
+  {
+    const at::Tensor no_cols = ws.take(perm_at, {num_tokens, 0}, hidden_states.scalar_type());
+    at::Tensor no_rows = ws.take(perm_at, {slots, 0}, hidden_states.scalar_type());
+    Ops::moe_permute(no_cols, ids, slot_ids, map, s.num_global, num_experts, topk, no_rows,
+                     offsets, inv_idx, perm);
+  }
+
+  // GEMM1's input rows, quantized once per token (after the sort: see offsets_ready).
+  bool x_kernel = false;  // a kernel runs between the sort and GEMM1
   at::Tensor x = hidden_states;
   if (apply_router_weight_on_input) {
     x = as_dtype(hidden_states, kF32).mul(as_dtype(topk_weights, kF32));
+    x_kernel = true;
   }
   at::Tensor xq, w1g;
   OptTensor x_scale, w1s;
   if (!s.fp8) {
+    x_kernel = x_kernel || x.scalar_type() != kBf16;
     xq = as_dtype(x, kBf16);
     w1g = as_dtype(w1, kBf16).contiguous();
   } else {
@@ -229,32 +252,22 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
       x_scale = ws.take(x_scale_at, {1}, kF32);
       Ops::dynamic_scaled_fp8_quant(xq, x, *x_scale);
     }
+    x_kernel = true;
     // The GEMM takes weight scales [E] or [E, N] / [E, N, 1] (checked shapes) as they are.
     w1g = w1.contiguous();
     w1s = w1_scale->contiguous();
   }
-
-  // Rows in expert order; slots that do not count sort after offsets[E], where no GEMM reads
-  // or writes.
-  const at::Tensor ids = topk_ids.contiguous();
-  OptTensor map;
-  if (expert_map) map = as_dtype(*expert_map, at::kInt).contiguous();
-  at::Tensor a1 = ws.take(a1_at, {slots, hidden}, gemm_dtype);
-  at::Tensor slot_ids = Ops::slot_indices(num_tokens, topk, hidden_states);
-  at::Tensor offsets = ws.take(offsets_at, {num_experts + 1}, at::kLong);
-  at::Tensor inv_idx = ws.take(inv_at, {num_tokens, topk}, at::kInt);
-  at::Tensor perm = ws.take(perm_at, {slots}, at::kInt);
-  Ops::moe_permute(xq, ids, slot_ids, map, s.num_global, num_experts, topk, a1, offsets,
-                   inv_idx, perm);
-  OptTensor a1s = x_scale;
-  if (s.per_act_token) {
-    // Each row's scale follows it: row r holds token perm[r] / topk (rows past the counted
-    // ones hold the slot count; clamped, they are never read).
-    a1s = x_scale->index_select(0, perm.clamp_max(slots - 1).div(topk, "floor"));
+  // The gather copies whole 16-byte pieces of x's rows (hidden is a multiple of them: checked).
+  if (xq.stride(1) != 1 || (xq.stride(0) * xq.element_size()) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 != 0) {
+    xq = xq.is_contiguous() ? xq.clone() : xq.contiguous();
+    x_kernel = true;
   }
-  // The offsets come from moe_permute's sort, whose row gather runs after it: the kernel just
-  // before GEMM1 does not write them, so GEMM1 may read them before it completes.
-  const bool offsets_ready = true;
+  const RowGather rows{xq, perm, topk};
+  // GEMM1 may read the offsets before the kernel just before it completes only when that
+  // kernel does not write them: the quantization (or a conversion) does not; the sort does.
+  // (Kernels before that one have completed: common/pdl.cuh's rule, or plain launches.)
+  const bool offsets_ready = x_kernel;
 
   at::Tensor w2g;
   OptTensor w2s;
@@ -267,12 +280,12 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   at::Tensor y = ws.take(y_at, {slots, hidden}, kBf16);
   if (gemm1_writes_a2) {
     at::Tensor h = ws.take(h_at, {slots, inter}, gemm_dtype);
-    Ops::moe_grouped_gemm_chain(y, h, a1, w1g, w2g, offsets, a1s, w1s, a2s, w2s, offsets_ready,
-                                "");
+    Ops::moe_grouped_gemm_chain_gathered(y, h, rows, w1g, w2g, offsets, x_scale, w1s, a2s, w2s,
+                                         offsets_ready);
   } else {
     at::Tensor h = ws.take(h_at, {slots, inter}, kBf16);
-    Ops::moe_grouped_gemm_silu_mul(h, a1, w1g, offsets, a1s, w1s, std::nullopt, offsets_ready,
-                                   a2s, "");
+    Ops::moe_grouped_gemm_silu_mul_gathered(h, rows, w1g, offsets, x_scale, w1s, std::nullopt,
+                                            offsets_ready, a2s);
     // Only the rows before offsets[E] (those GEMM1 wrote) are read and quantized.
     const at::Tensor row_end = ws.take(offsets_at + num_experts * int64_t{sizeof(int64_t)}, {1}, at::kLong);
     at::Tensor a2 = ws.take(a2_at, {slots, inter}, kE4m3);

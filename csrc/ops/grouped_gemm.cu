@@ -29,25 +29,28 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
                          const OptTensor& a_scales, const OptTensor& b_scales, bool silu_mul,
                          const OptTensor& out_scale, bool offsets_ready,
                          const OptTensor& amax_scale,
-                         const heuristics::GroupedGemmOverride& force) {
+                         const heuristics::GroupedGemmOverride& force,
+                         const RowGather* gather = nullptr) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(a.device().index());
   HM_CHECK(kOp, prop->major == 9 && prop->minor == 0,
            "the CUDA kernel needs an SM90 GPU (H100/H200, compute capability 9.0); device ",
            a.device().index(), " has ", prop->major, ".", prop->minor);
-  if (a.size(0) == 0 || b.size(0) == 0 || b.size(1) == 0) return;
+  // The GEMM's rows: a's, or with a gather out's (a is then x, read through the gather).
+  const int64_t m_total = gather != nullptr ? out.size(0) : a.size(0);
+  if (m_total == 0 || b.size(0) == 0 || b.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   const heuristics::GroupedGemmConfig config = heuristics::choose_grouped_gemm_sm90(
       a.scalar_type() == at::kBFloat16 ? heuristics::GemmDtype::kBf16
                                        : heuristics::GemmDtype::kE4m3,
-      a.size(0), int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount,
+      m_total, int(b.size(0)), int(b.size(1)), int(a.size(1)), prop->multiProcessorCount,
       force);
   // The K split's fp32 partial sums (stream-ordered from the caching allocator, so a CUDA
   // graph capture keeps its own).
   at::Tensor partial;
   if (config.k_splits > 1) {
-    partial = at::empty({config.k_splits, a.size(0), b.size(1)},
+    partial = at::empty({config.k_splits, m_total, b.size(1)},
                         a.options().dtype(at::kFloat));
   }
 
@@ -59,10 +62,10 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.num_experts = int(b.size(0));
   args.n = int(b.size(1));
   args.k = int(a.size(1));
-  args.m_total = a.size(0);
+  args.m_total = m_total;
   args.ldx = a.stride(0);
   args.ldo = out.stride(0);
-  args.max_rows_per_expert = a.size(0);  // static bound: no read of the offsets on the host
+  args.max_rows_per_expert = m_total;  // static bound: no read of the offsets on the host
   args.k_splits = config.k_splits;
   args.partial = config.k_splits > 1 ? partial.data_ptr<float>() : nullptr;
   args.grid = config.grid;
@@ -81,6 +84,11 @@ void launch_grouped_gemm(const char* kOp, at::Tensor& out, const at::Tensor& a,
   args.pdl = force.pdl >= 0 ? force.pdl == 1 : settings::pdl_enabled();
   args.offsets_ready = offsets_ready;
   args.evict_first_weights = config.evict_first;
+  if (gather != nullptr) {
+    args.gather = gather->perm.const_data_ptr<int32_t>();
+    args.gather_div = int(gather->topk);
+    args.x_rows = a.size(0);
+  }
   const cudaError_t err = gemm::moe_gemm_sm90(args, config, stream);
   HM_CHECK(kOp, err == cudaSuccess, "kernel launch failed (", config.to_string(), "): ",
            cudaGetErrorString(err));
@@ -129,6 +137,30 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
   // the kernel before GEMM1 does not write them either.
   launch_grouped_gemm(kOp, out, h, w2, expert_offsets, h_scale, w2_scales, /*silu_mul=*/false,
                       std::nullopt, offsets_ready, std::nullopt, force);
+}
+
+// The layer's gathered GEMM1 (ops.h, RowGather): the kernels above with the rows of a.x read
+// through a.perm by the producer. The layer checked the arguments (check::fused_experts_sm90):
+// x's rows are 16-byte aligned, perm holds a row index for every valid row.
+void moe_grouped_gemm_silu_mul_gathered(at::Tensor& out, const RowGather& a, const at::Tensor& b,
+                                        const at::Tensor& expert_offsets,
+                                        const OptTensor& a_scales, const OptTensor& b_scales,
+                                        const OptTensor& out_scale, bool offsets_ready,
+                                        const OptTensor& amax_scale) {
+  launch_grouped_gemm("fused_experts_sm90", out, a.x, b, expert_offsets, a_scales, b_scales,
+                      /*silu_mul=*/true, out_scale, offsets_ready, amax_scale, {}, &a);
+}
+
+void moe_grouped_gemm_chain_gathered(at::Tensor& out, at::Tensor& h, const RowGather& a,
+                                     const at::Tensor& w1, const at::Tensor& w2,
+                                     const at::Tensor& expert_offsets, const OptTensor& a_scales,
+                                     const OptTensor& w1_scales, const OptTensor& h_scale,
+                                     const OptTensor& w2_scales, bool offsets_ready) {
+  constexpr const char* kOp = "fused_experts_sm90";
+  launch_grouped_gemm(kOp, h, a.x, w1, expert_offsets, a_scales, w1_scales, /*silu_mul=*/true,
+                      h_scale, offsets_ready, std::nullopt, {}, &a);
+  launch_grouped_gemm(kOp, out, h, w2, expert_offsets, h_scale, w2_scales, /*silu_mul=*/false,
+                      std::nullopt, offsets_ready, std::nullopt, {});
 }
 
 // cutlass_moe_mm: the same kernel over the row ranges of gemm/cutlass_moe_mm_args.h (built on

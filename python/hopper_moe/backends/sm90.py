@@ -2,9 +2,10 @@
 SM90 grouped GEMM, one call of the op ``torch.ops.hopper_moe.fused_experts_sm90``
 (csrc/layer/fused_experts_sm90.cpp: argument checks, buffers and launches in C++):
 
-    (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets) ->
-    GEMM1 with SiLU*mul (+ static FP8 quant, or the dynamic per-tensor scale's amax) in its
-    epilogue (moe_grouped_gemm_silu_mul) -> (FP8 quant with that scale, or per token) ->
+    moe_permute's sort (rows in expert order, expert offsets; no row copied) ->
+    (FP8 quant of x) -> GEMM1 reading x's rows through the sort's permutation (on CUDA its
+    producer warp gathers them), with SiLU*mul (+ static FP8 quant, or the dynamic per-tensor
+    scale's amax) in its epilogue -> (FP8 quant with that scale, or per token) ->
     GEMM2 (moe_grouped_gemm) -> moe_unpermute (weighted sum over k)
 
 Both GEMMs are the hand-written SM90 wgmma kernel (csrc/include/hopper_moe/gemm) on CUDA and
@@ -23,7 +24,7 @@ scale), the weighted sum over k in fp32 rounded once to bf16 (then to the input'
 host synchronization: the slot order and the expert row offsets stay on the device, so a
 layer can be captured in a CUDA graph.
 
-Not yet fused: the activation quantization, the permutation and the final sum are separate
+Not yet fused: the activation quantization, the sort and the final sum are separate
 launches (hopper_moe's ops, called from the C++ op). The scheme rules (how GEMM2's input is
 quantized, weight-scale shapes, the dynamic scale's floor) are hopper_moe.prepare's, which
 the C++ op follows; ``make_gemm_only`` (GEMM-only benchmarks) still prepares its operands here
@@ -195,8 +196,10 @@ def run_steps(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               expert_map=None, quant=None) -> torch.Tensor:
     """The layer of ``fused_experts_sm90`` composed from hopper_moe's ops in Python, one call
     per step (how this backend ran before the op existed): the op's readable specification.
-    Tests hold the op to it bit for bit; benchmarks/bench_host.py times it beside the op
-    (backend name ``sm90_steps``). Arguments as fused_experts', assumed valid; M > 0."""
+    Here GEMM1 reads moe_permute's permuted copy of x, where the op's GEMM1 gathers the same
+    rows itself. Tests hold the op to it bit for bit; benchmarks/bench_host.py and
+    bench_moe.py time it beside the op (backend name ``sm90_steps``). Arguments as
+    fused_experts', assumed valid; M > 0."""
     num_global = w1.shape[0] if expert_map is None else (
         expert_map.shape[0] if global_num_experts == -1 else global_num_experts)
     if quant is not None:

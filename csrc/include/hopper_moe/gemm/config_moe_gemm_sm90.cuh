@@ -102,6 +102,13 @@ struct MoeGemmConfig {
   static_assert(kTileB * kBlockK * sizeof(Element) % 1024 == 0,
                 "each B slot keeps the next slot 1024-byte aligned");
   static constexpr uint32_t kTxBytes = (kTileA + kTileB) * kBlockK * sizeof(Element);
+  // With a row gather the producer warp copies the token tile itself (cp.async): TMA brings
+  // only the weights, and each of the warp's lanes arrives on full[s] when its copies land.
+  static constexpr uint32_t kWeightTxBytes = kBlockN * kBlockK * sizeof(Element);
+  static constexpr int kGatherLanes = 32;
+  static constexpr int kVecElems = 16 / int(sizeof(Element));    // one 16-byte copy
+  static constexpr int kVecsPerRow = kBlockK / kVecElems;        // per token row of a k-tile
+  static constexpr int kRowsPerLane = (kTileX + kGatherLanes - 1) / kGatherLanes;
 };
 
 struct MoeGemmParams {
@@ -127,6 +134,14 @@ struct MoeGemmParams {
   bool vector_out;         // out, ldo and the output columns allow 8-column vector stores
   bool out_fp16;           // plain store: out is fp16 (the staged tile holds fp16 bits)
   uint64_t weight_cache_hint;  // TMA::CacheHintSm90 of the weight copies
+  // Row gather (or null): row r of X is row gather[r] / gather_div of x_gather ([x_rows, K],
+  // row stride ldx), copied by the producer warp instead of TMA; per-row a scales are read at
+  // that row too.
+  const int32_t* gather;
+  int gather_div;
+  const void* x_gather;
+  int64_t x_rows;
+  int64_t ldx;
 };
 
 // One work unit, decoded the same way by the producer and the consumers (tile_scheduler_*).
@@ -147,6 +162,14 @@ CUTLASS_HOST_DEVICE int64_t expert_row_begin(const MoeGemmParams& p, int e) {
 }
 CUTLASS_HOST_DEVICE int64_t expert_rows(const MoeGemmParams& p, int e, int64_t begin) {
   return cute::min(cute::max(p.offsets[e + 1], begin), p.m_total) - begin;
+}
+
+// The row of x that X's row `row` is: itself, or through the gather (-1 when the gathered
+// index is out of x's rows; the host's rows never are).
+CUTLASS_DEVICE int64_t x_source_row(const MoeGemmParams& p, int64_t row) {
+  if (p.gather == nullptr) return row;
+  const int64_t src = int64_t(__ldg(p.gather + row)) / p.gather_div;
+  return src >= 0 && src < p.x_rows ? src : -1;
 }
 
 }  // namespace hopper_moe::gemm

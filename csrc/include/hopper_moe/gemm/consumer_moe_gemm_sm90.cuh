@@ -79,6 +79,9 @@ CUTLASS_DEVICE void consume_moe_gemm(const MoeGemmParams& p,
     for (; kt < u.kt_end; kt += kKtStep) {
       const int s = read.index();
       FullBarrier::wait(&smem.full[s], read.phase());
+      // Gathered token rows were written by cp.async (the generic proxy); wgmma reads through
+      // the async proxy.
+      if (p.gather != nullptr) cutlass::arch::fence_view_async_shared();
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       cute::gemm(mma, tCrA(_, _, _, s), tCrB(_, _, _, s), acc);

@@ -189,7 +189,10 @@ CUTLASS_DEVICE void epilogue_moe_gemm(const MoeGemmParams& p, const MoeGemmUnit&
   const auto scaled = [&](int i, int wr, int64_t row) {
     float v = total(i) * tensor_scale;
     if (p.b_mode == ScaleMode::kPerRow) v *= p.b_scale[int64_t(u.expert) * p.n + wr];
-    if (p.a_mode == ScaleMode::kPerRow) v *= p.a_scale[row];
+    if (p.a_mode == ScaleMode::kPerRow) {
+      const int64_t src = x_source_row(p, row);  // the token's scale under a gather
+      v *= src >= 0 ? p.a_scale[src] : 0.0f;
+    }
     return v;
   };
   if (p.k_splits > 1) {

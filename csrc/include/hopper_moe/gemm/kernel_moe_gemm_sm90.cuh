@@ -16,16 +16,18 @@
 //   tile_scheduler_moe_sm90.cuh  StaticPersistentScheduler: the units of the experts that have
 //                                rows, CTA b taking b, b + gridDim.x, ... (next())
 //   producer_moe_gemm_sm90.cuh   warpgroup 0 (setmaxnreg down to 40): one thread issues the
-//                                TMA copies into a kStages ring (full[s] / empty[s] barriers)
+//                                TMA copies into a kStages ring (full[s] / empty[s] barriers);
+//                                with a row gather warp 0 copies the token rows (cp.async)
 //   consumer_moe_gemm_sm90.cuh   warpgroups 1-2 (setmaxnreg up to 232): wgmma from the ring,
 //                                FP8 promotion, the warpgroup pair's hand-off
 //   epilogue_moe_gemm_sm90.cuh   EpilogueStore / EpilogueSiluMul (compile-time types) and the
 //                                driver: scales, split-K partials, staged coalesced stores
 //   reduce_splitk_sm90.cuh       the K split's reduction kernel
 //   launch_moe_gemm_sm90.cuh     TMA descriptors, params, grid, the launches
-// Barriers: full[s] is armed by the producer with the slot's bytes (one arrival) and completed
-// by TMA; empty[s] takes one arrival per thread of the slot's wgmma (kMmaThreads). Named
-// barrier 1 orders the 256 consumer threads around the shared epilogue tile.
+// Barriers: full[s] is armed by the producer with the slot's bytes (one arrival, plus one per
+// lane of warp 0 with a row gather) and completed by TMA; empty[s] takes one arrival per
+// thread of the slot's wgmma (kMmaThreads). Named barrier 1 orders the 256 consumer threads
+// around the shared epilogue tile.
 // Programmatic dependent launch: every CTA lets the next kernel start at once (one CTA per SM,
 // all of this grid resident, so they never hold it back); the offsets are read before the
 // wait for the previous kernel only with offsets_ready, the weights may always be.
@@ -64,7 +66,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Scheduler::count_tiles(p, smem.tile_prefix);
   if (warp == 0 && cute::elect_one_sync()) {
     for (int s = 0; s < Config::kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&smem.full[s], 1);
+      // The TMA arrival, and with a row gather one per lane of the producer warp.
+      cutlass::arch::ClusterTransactionBarrier::init(
+          &smem.full[s], p.gather != nullptr ? 1 + Config::kGatherLanes : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], Config::kMmaThreads);
     }
     cutlass::arch::fence_barrier_init();
@@ -75,9 +79,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (warp < Config::kProducerThreads / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) {
-      produce_moe_gemm<Config, Epilogue, Scheduler>(p, smem, tma_a, tma_b);
-    }
+    if (warp == 0) produce_moe_gemm<Config, Epilogue, Scheduler>(p, smem, tma_a, tma_b);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();

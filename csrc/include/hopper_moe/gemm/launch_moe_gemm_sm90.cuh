@@ -82,12 +82,19 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   if (a.silu_mul && (a.act_n <= 0 || 2 * int64_t(a.act_n) != a.n || a.out_fp16)) {
     return cudaErrorInvalidValue;
   }
+  if (a.gather != nullptr &&
+      (a.gather_div <= 0 || a.x_rows <= 0 || a.ldx * int64_t(sizeof(Element)) % 16 != 0 ||
+       reinterpret_cast<uintptr_t>(a.x) % 16 != 0)) {  // whole 16-byte copies
+    return cudaErrorInvalidValue;
+  }
 
   const auto* w_ptr = static_cast<const Element*>(a.w);
   const auto* x_ptr = static_cast<const Element*>(a.x);
   Tensor mW = make_tensor(make_gmem_ptr(w_ptr), make_shape(a.num_experts * a.n, a.k),
                           make_stride(int64_t(a.k), Int<1>{}));
-  Tensor mX = make_tensor(make_gmem_ptr(x_ptr), make_shape(int(a.m_total), a.k),
+  // With a row gather the descriptor spans x's own rows; the producer copies them itself.
+  const int64_t x_rows = a.gather != nullptr ? std::max<int64_t>(a.x_rows, 1) : a.m_total;
+  Tensor mX = make_tensor(make_gmem_ptr(x_ptr), make_shape(int(x_rows), a.k),
                           make_stride(a.ldx, Int<1>{}));
   auto tma_w = make_tma_atom(SM90_TMA_LOAD{}, mW, typename Config::SmemLayoutWBox{},
                              make_shape(Int<Config::kWeightBox>{}, Int<kBlockK>{}));
@@ -124,6 +131,11 @@ cudaError_t launch_moe_gemm_sm90(const MoeGemmArgs& a, cudaStream_t stream) {
   p.out_fp16 = a.out_fp16;
   p.vector_out = out_cols % 8 == 0 && a.ldo % 8 == 0 &&
                  reinterpret_cast<uintptr_t>(a.out) % vector_bytes == 0;
+  p.gather = a.gather;
+  p.gather_div = a.gather_div;
+  p.x_gather = a.x;
+  p.x_rows = a.gather != nullptr ? a.x_rows : a.m_total;
+  p.ldx = a.ldx;
   p.weight_cache_hint = uint64_t(a.evict_first_weights ? TMA::CacheHintSm90::EVICT_FIRST
                                                        : TMA::CacheHintSm90::EVICT_NORMAL);
   if (a.silu_mul) {

@@ -9,6 +9,7 @@
 //                      bf16 or e4m3)
 //   s    1 (bf16); a_scale[0] * b_scale[e] (per tensor); b_scale[e*N + n] (per output channel);
 //        a_scale[offsets[e] + t] (per token), combinable as the two ScaleModes say.
+// With a row gather (MoeGemmArgs::gather) X's rows are read from an unpermuted x instead.
 // With k_splits > 1 the sum over K is cut into that many ranges whose scaled fp32 partial sums
 // go to `partial` and are added by a second kernel.
 //
@@ -71,6 +72,13 @@ struct MoeGemmArgs {
   bool offsets_ready = false;
   // The weights are copied with L2's evict-first policy (config.evict_first).
   bool evict_first_weights = false;
+  // Row gather: row r of X (r < m_total) is row gather[r] / gather_div of x ([x_rows, K], row
+  // stride ldx), so that no permuted copy of x exists; per-row a_scale entries are x's rows
+  // too (a_scale[gather[r] / gather_div]). The producer warp copies those rows with cp.async
+  // (TMA has no row gather on SM90). Rows at or past an expert's end are never read.
+  const int32_t* gather = nullptr;
+  int gather_div = 1;
+  int64_t x_rows = 0;
 };
 
 // Launches the instantiation of `config` (heuristics::choose_grouped_gemm_sm90) on `stream`

@@ -2,7 +2,8 @@
 // CTA's units and their k-tiles and, per k-tile, waits for a free slot (empty[s]), arms
 // full[s] with the slot's byte count and issues the TMA copies (cp.async.bulk.tensor) of the
 // weight tile (two boxes of kBlockN / 2 rows, at the rows the epilogue names) and the token
-// tile. It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
+// tile. With a row gather (MoeGemmParams::gather) the whole warp walks them: the elected lane
+// issues the weights' TMA and every lane copies its token rows with cp.async (gather_tokens). It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
 // unit's weights arrive while the consumers run an epilogue.
 //
 // Programmatic dependent launch: with offsets_ready the first kStages weight tiles are
@@ -27,22 +28,68 @@ CUTLASS_DEVICE const auto& pick(const A& first, const B& second) {
   if constexpr (kFirst) return first; else return second;
 }
 
-template <class Config, class Epilogue, class Scheduler, class TmaA, class TmaB>
-CUTLASS_DEVICE void produce_moe_gemm(const MoeGemmParams& p,
-                                     typename Config::SharedStorage& smem, const TmaA& tma_a,
-                                     const TmaB& tma_b) {
+// One 16-byte cp.async into shared memory, zero-filled when src_bytes is 0 (then nothing is
+// read; src must still be a valid address).
+CUTLASS_DEVICE void cp_async_16_zfill(void* smem_dst, const void* src, int src_bytes) {
+  const uint32_t dst = cute::cast_smem_ptr_to_uint(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// The token tile of k-tile kt of unit u into slot s by the producer warp (a row gather):
+// lane l copies rows l, l + 32, ... of the tile, each as kVecsPerRow 16-byte pieces written
+// at their 128-byte-swizzled places, then arrives on full[s] when its copies have landed
+// (cp.async.mbarrier.arrive.noinc: full[s] counts the 32 lanes besides the TMA arrival).
+// Rows at or past the expert's end and the K tail are zero-filled.
+template <class Config>
+CUTLASS_DEVICE void gather_tokens(const MoeGemmParams& p, typename Config::SharedStorage& smem,
+                                  typename Config::Element* x_ring,
+                                  const typename Config::Element* const (&src)[Config::kRowsPerLane],
+                                  int lane, int kt, int s) {
+  using namespace cute;
+  using Element = typename Config::Element;
+  constexpr int kTileX = Config::kTileX, kBlockK = Config::kBlockK;
+  constexpr auto kLayout = typename Config::SmemLayoutXStage{};
+  Element* const stage = x_ring + s * kTileX * kBlockK;
+  CUTE_UNROLL
+  for (int j = 0; j < Config::kRowsPerLane; ++j) {
+    const int r = lane + j * Config::kGatherLanes;
+    if (kTileX % Config::kGatherLanes == 0 || r < kTileX) {
+      CUTE_UNROLL
+      for (int v = 0; v < Config::kVecsPerRow; ++v) {
+        const int k = kt * kBlockK + v * Config::kVecElems;
+        const bool in = src[j] != nullptr && k < p.k;
+        cp_async_16_zfill(stage + kLayout(r, v * Config::kVecElems),
+                          in ? src[j] + k : static_cast<const Element*>(p.x_gather), in ? 16 : 0);
+      }
+    }
+  }
+  cutlass::arch::cpasync_barrier_arrive_noinc(&smem.full[s]);
+}
+
+// kGather: run by the whole producer warp (leader: the one lane that issues TMA and arms the
+// barriers); otherwise by one thread (leader).
+template <class Config, class Epilogue, class Scheduler, bool kGather, class TmaA, class TmaB>
+CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
+                                          typename Config::SharedStorage& smem,
+                                          const TmaA& tma_a, const TmaB& tma_b, bool leader) {
   using namespace cute;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  using Element = typename Config::Element;
   constexpr bool kSwapAB = Config::kSwapAB;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kBlockK = Config::kBlockK;
   constexpr int kStages = Config::kStages;
   constexpr int kWeightBox = Config::kWeightBox;
   constexpr int kTileX = Config::kTileX;
+  constexpr uint32_t kTxBytes = kGather ? Config::kWeightTxBytes : Config::kTxBytes;
 
-  cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
-  cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+  if (leader) {
+    cute::prefetch_tma_descriptor(tma_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(tma_b.get_tma_descriptor());
+  }
   const auto& tma_w = pick<kSwapAB>(tma_a, tma_b);
   const auto& tma_x = pick<kSwapAB>(tma_b, tma_a);
   // Coordinate views of the whole operands: the weights (E*N,K) and the tokens (M,K). Rows are
@@ -85,28 +132,61 @@ CUTLASS_DEVICE void produce_moe_gemm(const MoeGemmParams& p,
     for (Scheduler sched(p, smem.tile_prefix); prefetched < kStages && sched.next(u);) {
       for (int kt = u.kt_begin; kt < u.kt_end && prefetched < kStages; ++kt, ++prefetched) {
         const int s = ahead.index();
-        FullBarrier::expect_transaction(&smem.full[s], Config::kTxBytes);  // arrives below
-        copy_weights(u, kt, s);
+        if (leader) {
+          FullBarrier::expect_transaction(&smem.full[s], kTxBytes);  // arrives below
+          copy_weights(u, kt, s);
+        }
         ++ahead;
       }
     }
   }
   pdl::wait_for_prerequisites();
+  const int lane = int(threadIdx.x % 32);
   cutlass::PipelineState<kStages> write(0, 1, 0);
   int issued = 0;
   for (Scheduler sched(p, smem.tile_prefix); sched.next(u);) {
+    // The gathered rows' sources for this unit (null: past the expert's end).
+    const Element* src[Config::kRowsPerLane];
+    if constexpr (kGather) {
+      CUTE_UNROLL
+      for (int j = 0; j < Config::kRowsPerLane; ++j) {
+        const int t = u.t0 + lane + j * Config::kGatherLanes;
+        const int64_t row = t < u.rows ? x_source_row(p, u.row_begin + t) : -1;
+        src[j] = row >= 0 ? static_cast<const Element*>(p.x_gather) + row * p.ldx : nullptr;
+      }
+    }
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
       const int s = write.index();
       if (issued >= prefetched) {
         EmptyBarrier::wait(&smem.empty[s], write.phase());
-        FullBarrier::arrive_and_expect_tx(&smem.full[s], Config::kTxBytes);
-        copy_weights(u, kt, s);
-      } else {
+        if (leader) {
+          FullBarrier::arrive_and_expect_tx(&smem.full[s], kTxBytes);
+          copy_weights(u, kt, s);
+        }
+      } else if (leader) {
         FullBarrier::arrive(&smem.full[s]);
       }
-      copy_tokens(u, kt, s);
+      if constexpr (kGather) {
+        gather_tokens<Config>(p, smem, x_ring, src, lane, kt, s);
+      } else {
+        copy_tokens(u, kt, s);
+      }
       ++write;
     }
+  }
+}
+
+// The producer: called by the whole of warp 0. Without a gather one elected thread runs it
+// (TMA for both operands); with one, the whole warp (TMA for the weights, cp.async rows).
+template <class Config, class Epilogue, class Scheduler, class TmaA, class TmaB>
+CUTLASS_DEVICE void produce_moe_gemm(const MoeGemmParams& p,
+                                     typename Config::SharedStorage& smem, const TmaA& tma_a,
+                                     const TmaB& tma_b) {
+  const bool leader = cute::elect_one_sync();
+  if (p.gather != nullptr) {
+    produce_moe_gemm_loop<Config, Epilogue, Scheduler, true>(p, smem, tma_a, tma_b, leader);
+  } else if (leader) {
+    produce_moe_gemm_loop<Config, Epilogue, Scheduler, false>(p, smem, tma_a, tma_b, true);
   }
 }
 
