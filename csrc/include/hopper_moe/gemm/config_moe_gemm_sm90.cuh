@@ -102,13 +102,14 @@ struct MoeGemmConfig {
   static_assert(kTileB * kBlockK * sizeof(Element) % 1024 == 0,
                 "each B slot keeps the next slot 1024-byte aligned");
   static constexpr uint32_t kTxBytes = (kTileA + kTileB) * kBlockK * sizeof(Element);
-  // With a row gather the producer warp copies the token tile itself (cp.async): TMA brings
-  // only the weights, and each of the warp's lanes arrives on full[s] when its copies land.
+  // With a row gather the producer warpgroup copies the token tile itself (cp.async, one row
+  // per thread): TMA brings only the weights, and each producer thread arrives on full[s]
+  // when its copies land.
   static constexpr uint32_t kWeightTxBytes = kBlockN * kBlockK * sizeof(Element);
-  static constexpr int kGatherLanes = 32;
-  static constexpr int kVecElems = 16 / int(sizeof(Element));    // one 16-byte copy
-  static constexpr int kVecsPerRow = kBlockK / kVecElems;        // per token row of a k-tile
-  static constexpr int kRowsPerLane = (kTileX + kGatherLanes - 1) / kGatherLanes;
+  static constexpr int kGatherThreads = kProducerThreads;
+  static constexpr int kVecElems = 16 / int(sizeof(Element));  // one 16-byte copy
+  static constexpr int kVecsPerRow = kBlockK / kVecElems;      // per token row of a k-tile
+  static_assert(kTileX <= kGatherThreads, "a gathered token tile is one row per thread");
 };
 
 struct MoeGemmParams {

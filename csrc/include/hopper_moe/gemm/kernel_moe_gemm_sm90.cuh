@@ -17,7 +17,8 @@
 //                                rows, CTA b taking b, b + gridDim.x, ... (next())
 //   producer_moe_gemm_sm90.cuh   warpgroup 0 (setmaxnreg down to 40): one thread issues the
 //                                TMA copies into a kStages ring (full[s] / empty[s] barriers);
-//                                with a row gather warp 0 copies the token rows (cp.async)
+//                                with a row gather the warpgroup copies the token rows
+//                                (cp.async, one per thread)
 //   consumer_moe_gemm_sm90.cuh   warpgroups 1-2 (setmaxnreg up to 232): wgmma from the ring,
 //                                FP8 promotion, the warpgroup pair's hand-off
 //   epilogue_moe_gemm_sm90.cuh   EpilogueStore / EpilogueSiluMul (compile-time types) and the
@@ -25,7 +26,7 @@
 //   reduce_splitk_sm90.cuh       the K split's reduction kernel
 //   launch_moe_gemm_sm90.cuh     TMA descriptors, params, grid, the launches
 // Barriers: full[s] is armed by the producer with the slot's bytes (one arrival, plus one per
-// lane of warp 0 with a row gather) and completed by TMA; empty[s] takes one arrival per
+// producer thread with a row gather) and completed by TMA; empty[s] takes one arrival per
 // thread of the slot's wgmma (kMmaThreads). Named barrier 1 orders the 256 consumer threads
 // around the shared epilogue tile.
 // Programmatic dependent launch: every CTA lets the next kernel start at once (one CTA per SM,
@@ -66,9 +67,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Scheduler::count_tiles(p, smem.tile_prefix);
   if (warp == 0 && cute::elect_one_sync()) {
     for (int s = 0; s < Config::kStages; ++s) {
-      // The TMA arrival, and with a row gather one per lane of the producer warp.
+      // The TMA arrival, and with a row gather one per producer thread.
       cutlass::arch::ClusterTransactionBarrier::init(
-          &smem.full[s], p.gather != nullptr ? 1 + Config::kGatherLanes : 1);
+          &smem.full[s], p.gather != nullptr ? 1 + Config::kGatherThreads : 1);
       cutlass::arch::ClusterBarrier::init(&smem.empty[s], Config::kMmaThreads);
     }
     cutlass::arch::fence_barrier_init();
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (warp < Config::kProducerThreads / 32) {
     cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-    if (warp == 0) produce_moe_gemm<Config, Epilogue, Scheduler>(p, smem, tma_a, tma_b);
+    produce_moe_gemm<Config, Epilogue, Scheduler>(p, smem, tma_a, tma_b);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();

@@ -2,8 +2,9 @@
 // CTA's units and their k-tiles and, per k-tile, waits for a free slot (empty[s]), arms
 // full[s] with the slot's byte count and issues the TMA copies (cp.async.bulk.tensor) of the
 // weight tile (two boxes of kBlockN / 2 rows, at the rows the epilogue names) and the token
-// tile. With a row gather (MoeGemmParams::gather) the whole warp walks them: the elected lane
-// issues the weights' TMA and every lane copies its token rows with cp.async (gather_tokens). It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
+// tile. With a row gather (MoeGemmParams::gather) the whole warpgroup walks them: the elected
+// thread issues the weights' TMA and each thread copies one token row with cp.async
+// (gather_tokens). It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
 // unit's weights arrive while the consumers run an epilogue.
 //
 // Programmatic dependent launch: with offsets_ready the first kStages weight tiles are
@@ -37,39 +38,36 @@ CUTLASS_DEVICE void cp_async_16_zfill(void* smem_dst, const void* src, int src_b
                : "memory");
 }
 
-// The token tile of k-tile kt of unit u into slot s by the producer warp (a row gather):
-// lane l copies rows l, l + 32, ... of the tile, each as kVecsPerRow 16-byte pieces written
-// at their 128-byte-swizzled places, then arrives on full[s] when its copies have landed
-// (cp.async.mbarrier.arrive.noinc: full[s] counts the 32 lanes besides the TMA arrival).
-// Rows at or past the expert's end and the K tail are zero-filled.
+// The token tile of k-tile kt into slot s by the producer warpgroup (a row gather): thread l
+// copies tile row l (src: its source row, null past the expert's end) as kVecsPerRow 16-byte
+// pieces at their places in the 128-byte-swizzled stage (row r's piece v at byte
+// r * 128 + ((v ^ (r % 8)) * 16): TMA's SWIZZLE_128B on a 1024-byte aligned tile, what wgmma
+// reads), then arrives on full[s] when its copies have landed (cp.async.mbarrier.arrive.noinc:
+// full[s] counts the kGatherThreads arrivals besides the TMA one). Rows past the expert's end
+// and the K tail are zero-filled.
 template <class Config>
 CUTLASS_DEVICE void gather_tokens(const MoeGemmParams& p, typename Config::SharedStorage& smem,
                                   typename Config::Element* x_ring,
-                                  const typename Config::Element* const (&src)[Config::kRowsPerLane],
-                                  int lane, int kt, int s) {
-  using namespace cute;
+                                  const typename Config::Element* src, int row, int kt, int s) {
   using Element = typename Config::Element;
   constexpr int kTileX = Config::kTileX, kBlockK = Config::kBlockK;
-  constexpr auto kLayout = typename Config::SmemLayoutXStage{};
-  Element* const stage = x_ring + s * kTileX * kBlockK;
-  CUTE_UNROLL
-  for (int j = 0; j < Config::kRowsPerLane; ++j) {
-    const int r = lane + j * Config::kGatherLanes;
-    if (kTileX % Config::kGatherLanes == 0 || r < kTileX) {
-      CUTE_UNROLL
-      for (int v = 0; v < Config::kVecsPerRow; ++v) {
-        const int k = kt * kBlockK + v * Config::kVecElems;
-        const bool in = src[j] != nullptr && k < p.k;
-        cp_async_16_zfill(stage + kLayout(r, v * Config::kVecElems),
-                          in ? src[j] + k : static_cast<const Element*>(p.x_gather), in ? 16 : 0);
-      }
+  static_assert(kBlockK * sizeof(Element) == 128, "a stage row is one 128-byte swizzle row");
+  if (row < kTileX) {
+    char* const stage_row =
+        reinterpret_cast<char*>(x_ring + s * kTileX * kBlockK) + row * 128;
+    CUTE_UNROLL
+    for (int v = 0; v < Config::kVecsPerRow; ++v) {
+      const int k = kt * kBlockK + v * Config::kVecElems;
+      const bool in = src != nullptr && k < p.k;
+      cp_async_16_zfill(stage_row + ((v ^ (row % 8)) * 16),
+                        in ? src + k : static_cast<const Element*>(p.x_gather), in ? 16 : 0);
     }
   }
   cutlass::arch::cpasync_barrier_arrive_noinc(&smem.full[s]);
 }
 
-// kGather: run by the whole producer warp (leader: the one lane that issues TMA and arms the
-// barriers); otherwise by one thread (leader).
+// kGather: run by the whole producer warpgroup (leader: the one thread that issues TMA and arms
+// the barriers); otherwise by one thread (leader).
 template <class Config, class Epilogue, class Scheduler, bool kGather, class TmaA, class TmaB>
 CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
                                           typename Config::SharedStorage& smem,
@@ -141,19 +139,16 @@ CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
     }
   }
   pdl::wait_for_prerequisites();
-  const int lane = int(threadIdx.x % 32);
+  const int gather_row = int(threadIdx.x) % Config::kGatherThreads;  // its tile row
   cutlass::PipelineState<kStages> write(0, 1, 0);
   int issued = 0;
   for (Scheduler sched(p, smem.tile_prefix); sched.next(u);) {
-    // The gathered rows' sources for this unit (null: past the expert's end).
-    const Element* src[Config::kRowsPerLane];
+    // The gathered row's source for this unit (null: past the expert's end).
+    const Element* src = nullptr;
     if constexpr (kGather) {
-      CUTE_UNROLL
-      for (int j = 0; j < Config::kRowsPerLane; ++j) {
-        const int t = u.t0 + lane + j * Config::kGatherLanes;
-        const int64_t row = t < u.rows ? x_source_row(p, u.row_begin + t) : -1;
-        src[j] = row >= 0 ? static_cast<const Element*>(p.x_gather) + row * p.ldx : nullptr;
-      }
+      const int t = u.t0 + gather_row;
+      const int64_t row = gather_row < kTileX && t < u.rows ? x_source_row(p, u.row_begin + t) : -1;
+      src = row >= 0 ? static_cast<const Element*>(p.x_gather) + row * p.ldx : nullptr;
     }
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
       const int s = write.index();
@@ -167,7 +162,7 @@ CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
         FullBarrier::arrive(&smem.full[s]);
       }
       if constexpr (kGather) {
-        gather_tokens<Config>(p, smem, x_ring, src, lane, kt, s);
+        gather_tokens<Config>(p, smem, x_ring, src, gather_row, kt, s);
       } else {
         copy_tokens(u, kt, s);
       }
@@ -176,13 +171,14 @@ CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
   }
 }
 
-// The producer: called by the whole of warp 0. Without a gather one elected thread runs it
-// (TMA for both operands); with one, the whole warp (TMA for the weights, cp.async rows).
+// The producer: called by the whole producer warpgroup. Without a gather one elected thread
+// of warp 0 runs it (TMA for both operands); with one, the whole warpgroup (TMA for the
+// weights by that thread, a token row by each thread).
 template <class Config, class Epilogue, class Scheduler, class TmaA, class TmaB>
 CUTLASS_DEVICE void produce_moe_gemm(const MoeGemmParams& p,
                                      typename Config::SharedStorage& smem, const TmaA& tma_a,
                                      const TmaB& tma_b) {
-  const bool leader = cute::elect_one_sync();
+  const bool leader = cutlass::canonical_warp_idx_sync() == 0 && cute::elect_one_sync();
   if (p.gather != nullptr) {
     produce_moe_gemm_loop<Config, Epilogue, Scheduler, true>(p, smem, tma_a, tma_b, leader);
   } else if (leader) {
