@@ -2,11 +2,14 @@
 // so that an eager call costs one dispatch: argument checks, buffers (the caching allocator)
 // and launches are all here, in C++.
 //
-//   moe_permute's sort (rows in expert order, expert offsets int64 [E + 1]) -> (FP8 quant of
-//   x) -> GEMM1 over x's rows gathered by its producer, SiLU*mul in its epilogue (+ static FP8
-//   quant, or the amax of a dynamic scale) ->
+//   (FP8 quant of x) -> moe_permute (rows in expert order, expert offsets int64 [E + 1]) ->
+//   GEMM1 with SiLU*mul in its epilogue (+ static FP8 quant, or the amax of a dynamic scale) ->
 //   (FP8 quant of the rows GEMM1 wrote: dynamic per tensor / per token) ->
 //   GEMM2 -> moe_unpermute (weighted sum over k in fp32, rounded once to bf16)
+//
+// Where heuristics::layer_gathers_gemm1_rows says so (many experts, few rows each), the first
+// steps are instead moe_permute's sort alone -> (FP8 quant of x) -> GEMM1 reading x's rows
+// through the sort's permutation (RowGather: its producer gathers them; no permuted copy).
 //
 // One composition for both devices: `run_layer<Ops>` over the cpu:: or cuda:: ops (ops.h),
 // so the CPU definition tests every step CI can run. The precision model is
@@ -184,12 +187,17 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   const bool gemm1_writes_a2 = !s.fp8 || (!s.per_act_token && a2_scale);
   const bool direct_out = out.scalar_type() == kBf16;
 
+  // GEMM1 reads x's rows through the sort's permutation (its producer gathers them) or from
+  // moe_permute's copy in expert order: heuristics::layer_gathers_gemm1_rows, measured.
+  const bool gather = heuristics::layer_gathers_gemm1_rows(slots, num_experts);
+
   Workspace ws;
   const int64_t xq_at = s.fp8 ? ws.reserve(num_tokens * hidden, kE4m3) : -1;
   const int64_t x_scale_at =
       s.fp8 && (s.per_act_token || !a1_scale) ? ws.reserve(s.per_act_token ? num_tokens : 1, kF32)
                                               : -1;
   const int64_t a2_floor_at = dynamic_tensor_a2 ? ws.reserve(1, kF32) : -1;
+  const int64_t a1_at = gather ? -1 : ws.reserve(slots * hidden, gemm_dtype);
   const int64_t offsets_at = ws.reserve(num_experts + 1, at::kLong);
   const int64_t inv_at = ws.reserve(slots, at::kInt);
   const int64_t perm_at = ws.reserve(slots, at::kInt);
@@ -209,9 +217,52 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
     a2s = *a2_scale;
   }
 
-  // The rows in expert order: moe_permute's sort alone (an input of width 0, so it copies no
-  // row): offsets, inv_idx and perm. Slots that do not count sort after offsets[E], where no
-  // GEMM reads or writes. GEMM1 reads its rows of x through perm (RowGather).
+  // GEMM1's input rows, quantized once per token. Returns whether a kernel ran.
+  at::Tensor xq, w1g;
+  OptTensor x_scale, w1s;
+  const auto prepare_x = [&]() {
+    bool kernel = false;
+    at::Tensor x = hidden_states;
+    if (apply_router_weight_on_input) {
+      x = as_dtype(hidden_states, kF32).mul(as_dtype(topk_weights, kF32));
+      kernel = true;
+    }
+    if (!s.fp8) {
+      kernel = kernel || x.scalar_type() != kBf16;
+      xq = as_dtype(x, kBf16);
+      w1g = as_dtype(w1, kBf16).contiguous();
+    } else {
+      x = x.contiguous();
+      xq = ws.take(xq_at, {num_tokens, hidden}, kE4m3);
+      if (s.per_act_token) {
+        x_scale = ws.take(x_scale_at, {num_tokens, 1}, kF32);
+        Ops::dynamic_per_token_scaled_fp8_quant(xq, x, *x_scale, std::nullopt);
+      } else if (a1_scale) {
+        x_scale = *a1_scale;
+        Ops::static_scaled_fp8_quant(xq, x, *x_scale, std::nullopt);
+      } else {
+        x_scale = ws.take(x_scale_at, {1}, kF32);
+        Ops::dynamic_scaled_fp8_quant(xq, x, *x_scale);
+      }
+      kernel = true;
+      // The GEMM takes weight scales [E] or [E, N] / [E, N, 1] (checked shapes) as they are.
+      w1g = w1.contiguous();
+      w1s = w1_scale->contiguous();
+    }
+    // The gather copies whole 16-byte pieces of x's rows (hidden is a multiple: checked).
+    if (gather && (xq.stride(1) != 1 || (xq.stride(0) * xq.element_size()) % 16 != 0 ||
+                   reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 != 0)) {
+      xq = xq.is_contiguous() ? xq.clone() : xq.contiguous();
+      kernel = true;
+    }
+    return kernel;
+  };
+
+  // Rows in expert order: offsets, inv_idx and perm; slots that do not count sort after
+  // offsets[E], where no GEMM reads or writes. With the gather, moe_permute's sort alone (an
+  // input of width 0: no row is copied), then x's quantization, so that the kernel just before
+  // GEMM1 (when there is one) does not write the offsets; without it, x quantized first and
+  // its rows copied in expert order (a1).
   const at::Tensor ids = topk_ids.contiguous();
   OptTensor map;
   if (expert_map) map = as_dtype(*expert_map, at::kInt).contiguous();
@@ -219,55 +270,32 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   at::Tensor offsets = ws.take(offsets_at, {num_experts + 1}, at::kLong);
   at::Tensor inv_idx = ws.take(inv_at, {num_tokens, topk}, at::kInt);
   at::Tensor perm = ws.take(perm_at, {slots}, at::kInt);
-  {
+  at::Tensor a1;
+  OptTensor a1s;
+  // GEMM1 may read the offsets before the kernel just before it completes only when that
+  // kernel does not write them: the quantization, a conversion or moe_permute's row copy
+  // (which runs after its sort) do not; the sort does. (Kernels before that one have
+  // completed: common/pdl.cuh's rule, or plain launches.)
+  bool offsets_ready = true;
+  if (gather) {
     const at::Tensor no_cols = ws.take(perm_at, {num_tokens, 0}, hidden_states.scalar_type());
     at::Tensor no_rows = ws.take(perm_at, {slots, 0}, hidden_states.scalar_type());
     Ops::moe_permute(no_cols, ids, slot_ids, map, s.num_global, num_experts, topk, no_rows,
                      offsets, inv_idx, perm);
-  }
-
-  // GEMM1's input rows, quantized once per token (after the sort: see offsets_ready).
-  bool x_kernel = false;  // a kernel runs between the sort and GEMM1
-  at::Tensor x = hidden_states;
-  if (apply_router_weight_on_input) {
-    x = as_dtype(hidden_states, kF32).mul(as_dtype(topk_weights, kF32));
-    x_kernel = true;
-  }
-  at::Tensor xq, w1g;
-  OptTensor x_scale, w1s;
-  if (!s.fp8) {
-    x_kernel = x_kernel || x.scalar_type() != kBf16;
-    xq = as_dtype(x, kBf16);
-    w1g = as_dtype(w1, kBf16).contiguous();
+    offsets_ready = prepare_x();
   } else {
-    x = x.contiguous();
-    xq = ws.take(xq_at, {num_tokens, hidden}, kE4m3);
+    prepare_x();
+    a1 = ws.take(a1_at, {slots, hidden}, gemm_dtype);
+    Ops::moe_permute(xq, ids, slot_ids, map, s.num_global, num_experts, topk, a1, offsets,
+                     inv_idx, perm);
+    a1s = x_scale;
     if (s.per_act_token) {
-      x_scale = ws.take(x_scale_at, {num_tokens, 1}, kF32);
-      Ops::dynamic_per_token_scaled_fp8_quant(xq, x, *x_scale, std::nullopt);
-    } else if (a1_scale) {
-      x_scale = *a1_scale;
-      Ops::static_scaled_fp8_quant(xq, x, *x_scale, std::nullopt);
-    } else {
-      x_scale = ws.take(x_scale_at, {1}, kF32);
-      Ops::dynamic_scaled_fp8_quant(xq, x, *x_scale);
+      // Each row's scale follows it: row r holds token perm[r] / topk (rows past the counted
+      // ones hold the slot count; clamped, they are never read).
+      a1s = x_scale->index_select(0, perm.clamp_max(slots - 1).div(topk, "floor"));
     }
-    x_kernel = true;
-    // The GEMM takes weight scales [E] or [E, N] / [E, N, 1] (checked shapes) as they are.
-    w1g = w1.contiguous();
-    w1s = w1_scale->contiguous();
-  }
-  // The gather copies whole 16-byte pieces of x's rows (hidden is a multiple of them: checked).
-  if (xq.stride(1) != 1 || (xq.stride(0) * xq.element_size()) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 != 0) {
-    xq = xq.is_contiguous() ? xq.clone() : xq.contiguous();
-    x_kernel = true;
   }
   const RowGather rows{xq, perm, topk};
-  // GEMM1 may read the offsets before the kernel just before it completes only when that
-  // kernel does not write them: the quantization (or a conversion) does not; the sort does.
-  // (Kernels before that one have completed: common/pdl.cuh's rule, or plain launches.)
-  const bool offsets_ready = x_kernel;
 
   at::Tensor w2g;
   OptTensor w2s;
@@ -280,12 +308,22 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   at::Tensor y = ws.take(y_at, {slots, hidden}, kBf16);
   if (gemm1_writes_a2) {
     at::Tensor h = ws.take(h_at, {slots, inter}, gemm_dtype);
-    Ops::moe_grouped_gemm_chain_gathered(y, h, rows, w1g, w2g, offsets, x_scale, w1s, a2s, w2s,
-                                         offsets_ready);
+    if (gather) {
+      Ops::moe_grouped_gemm_chain_gathered(y, h, rows, w1g, w2g, offsets, x_scale, w1s, a2s,
+                                           w2s, offsets_ready);
+    } else {
+      Ops::moe_grouped_gemm_chain(y, h, a1, w1g, w2g, offsets, a1s, w1s, a2s, w2s,
+                                  offsets_ready, "");
+    }
   } else {
     at::Tensor h = ws.take(h_at, {slots, inter}, kBf16);
-    Ops::moe_grouped_gemm_silu_mul_gathered(h, rows, w1g, offsets, x_scale, w1s, std::nullopt,
-                                            offsets_ready, a2s);
+    if (gather) {
+      Ops::moe_grouped_gemm_silu_mul_gathered(h, rows, w1g, offsets, x_scale, w1s,
+                                              std::nullopt, offsets_ready, a2s);
+    } else {
+      Ops::moe_grouped_gemm_silu_mul(h, a1, w1g, offsets, a1s, w1s, std::nullopt,
+                                     offsets_ready, a2s, "");
+    }
     // Only the rows before offsets[E] (those GEMM1 wrote) are read and quantized.
     const at::Tensor row_end = ws.take(offsets_at + num_experts * int64_t{sizeof(int64_t)}, {1}, at::kLong);
     at::Tensor a2 = ws.take(a2_at, {slots, inter}, kE4m3);

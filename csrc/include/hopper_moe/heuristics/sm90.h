@@ -326,6 +326,17 @@ inline bool use_swap_ab(GemmDtype dtype, int64_t m_total, int num_experts) {
   return expected_max_rows(m_total, num_experts) <= double(largest);
 }
 
+// The sm90 layer's GEMM1 gathers x's rows in its producer (no moe_permute copy, one launch
+// less) when the sort leaves at most one row per expert on average and the experts are many
+// (so small): measured on an H100 (benchmarks/notes/next.md, "The gather in GEMM1's
+// producer"), qwen3_30b (E = 128) gains 1-7 us at M <= 16 and mixtral (E = 8) loses 0.5-2% at
+// decode and up to 20% at FP8 prefill, where the producer's cp.async rows cost more than the
+// copy they save; its bf16 GEMM1 also loses the weight prefetch before the sort completes.
+inline constexpr int kGatherMinExperts = 64;
+inline bool layer_gathers_gemm1_rows(int64_t slots, int64_t num_experts) {
+  return num_experts >= kGatherMinExperts && slots <= num_experts;
+}
+
 // An explicit choice that replaces part of the heuristic's, for tests and measurements (the
 // grouped-GEMM ops' `config` argument). Unset fields keep the heuristic's choice.
 struct GroupedGemmOverride {
