@@ -327,14 +327,16 @@ inline bool use_swap_ab(GemmDtype dtype, int64_t m_total, int num_experts) {
 }
 
 // The sm90 layer's GEMM1 gathers x's rows in its producer (no moe_permute copy, one launch
-// less) when the sort leaves at most one row per expert on average and the experts are many
-// (so small): measured on an H100 (benchmarks/notes/next.md, "The gather in GEMM1's
-// producer"), qwen3_30b (E = 128) gains 1-7 us at M <= 16 and mixtral (E = 8) loses 0.5-2% at
-// decode and up to 20% at FP8 prefill, where the producer's cp.async rows cost more than the
-// copy they save; its bf16 GEMM1 also loses the weight prefetch before the sort completes.
+// less) when the experts are many (so small) and the sort leaves at most a quarter of a row
+// per expert on average. Measured on an H100, the layer op against the same layer with the
+// copy, one run each (benchmarks/notes/next.md, "The gather in GEMM1's producer"): qwen3_30b
+// (E = 128) and deepseek_v3_tp8 (E = 256) gain 0.9-7.3 us at M = 1-4 (but deepseek FP8 M = 1
+// lost 4.7 us, unexplained); at M = 16 (0.5-1 row per expert) bf16 lost 1-3%; mixtral (E = 8)
+// lost 0.5-2% at decode and up to 20% at FP8 prefill, where the producer's cp.async rows cost
+// more than the copy they save.
 inline constexpr int kGatherMinExperts = 64;
 inline bool layer_gathers_gemm1_rows(int64_t slots, int64_t num_experts) {
-  return num_experts >= kGatherMinExperts && slots <= num_experts;
+  return num_experts >= kGatherMinExperts && 4 * slots <= num_experts;
 }
 
 // An explicit choice that replaces part of the heuristic's, for tests and measurements (the
