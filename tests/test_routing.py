@@ -8,9 +8,9 @@ behaviours vLLM 0.33's kernels define (non-finite logits: finite weights and dis
 lowest id first; grouped_topk: every scores x bias dtype pair, fp32 sigmoid), every argument
 check, opcheck. On a GPU: the CUDA op vs the CPU op bit for bit (same arithmetic by
 construction; grouped_topk's sigmoid scores, whose tanh is each device's own, are computed on
-the GPU and handed to the CPU op) over many shapes, dtypes and index dtypes, through both kernel paths (rows in
-shared memory, E <= 1024; rows in a global workspace, E > 1024) and both load paths (16-byte
-vectors, scalars), plus determinism over 20 reruns and CUDA-graph replay.
+the GPU and handed to the CPU op) over many shapes, dtypes and index dtypes, through both
+kernel paths (rows in shared memory, E <= 1024; rows in a global workspace, E > 1024) and both
+load paths (16-byte vectors, scalars), plus determinism over 20 reruns and CUDA-graph replay.
 """
 from __future__ import annotations
 

@@ -97,7 +97,9 @@ void moe_grouped_gemm_chain(at::Tensor& out, at::Tensor& h, const at::Tensor& a,
 namespace {
 at::Tensor gather_rows(const at::Tensor& t, const RowGather& g, int64_t rows) {
   const int64_t slots = g.x.size(0) * g.topk;
-  const at::Tensor src = g.perm.slice(0, 0, rows).to(at::kLong).clamp(0, std::max<int64_t>(slots - 1, 0))
+  const at::Tensor src = g.perm.slice(0, 0, rows)
+                             .to(at::kLong)
+                             .clamp(0, std::max<int64_t>(slots - 1, 0))
                              .div(g.topk, "floor");
   return t.index_select(0, src);
 }

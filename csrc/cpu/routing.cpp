@@ -3,8 +3,9 @@
 // These loops ARE the semantics; the CUDA kernels reproduce them bit for bit (same float
 // operations through topk_math.cuh, sums in the same order) and the tests compare the two with
 // torch.equal. The one exception is grouped_topk's sigmoid, whose tanh is each device's own
-// (below): the tests give both devices the same scores to compare the rest bit for bit. Same semantics as vLLM 0.33's kernels, with these decisions where vLLM is
-// ambiguous (docs/OPS.md, "Routing", says why):
+// (below): the tests give both devices the same scores to compare the rest bit for bit.
+// Same semantics as vLLM 0.33's kernels, with these decisions where vLLM is ambiguous
+// (docs/OPS.md, "Routing", says why):
 //
 // Rank order (every selection below): higher score first; a NaN score ranks after every number,
 // -inf included; equal scores (and -0 == +0) go to the lower expert id. So the K ids of a row
@@ -26,9 +27,10 @@
 //   every row.
 // grouped_topk: s[e] = 0.5 * tanh(x[e] / 2) + 0.5 in fp32 (scoring_func 1; vLLM's form, never
 //   rounded to the scores dtype, as vLLM's kernels; the tanh is torch's on the CPU and tanhf in
-//   the kernel, so that s is what torch computes on each device) or x[e] (0). Expert e is valid when x[e], bias[e] and
-//   sb[e] = s[e] + float(bias[e]) are all finite; an invalid expert gets sb[e] = -inf (so it
-//   ranks after every valid one; -inf ties go to the lower id) and weight 0.
+//   the kernel, so that s is what torch computes on each device) or x[e] (0). Expert e is
+//   valid when x[e], bias[e] and sb[e] = s[e] + float(bias[e]) are all finite; an invalid
+//   expert gets sb[e] = -inf (so it ranks after every valid one; -inf ties go to the lower
+//   id) and weight 0.
 //   Group g holds experts [g*G, (g+1)*G), G = E / n_group; its score is sb of its best expert
 //   plus sb of its second best (rank order; the best alone when G == 1). The topk_group best
 //   groups (rank order on group scores, lower group first on ties) are kept; ids = the topk best

@@ -4,8 +4,8 @@
 // weight tile (two boxes of kBlockN / 2 rows, at the rows the epilogue names) and the token
 // tile. With a row gather (MoeGemmParams::gather) the whole warpgroup walks them: the elected
 // thread issues the weights' TMA and each thread copies one token row with cp.async
-// (gather_tokens). It runs up to kStages k-tiles ahead of the math, across unit boundaries, so the next
-// unit's weights arrive while the consumers run an epilogue.
+// (gather_tokens). It runs up to kStages k-tiles ahead of the math, across unit boundaries,
+// so the next unit's weights arrive while the consumers run an epilogue.
 //
 // Programmatic dependent launch: with offsets_ready the first kStages weight tiles are
 // requested before waiting for the previous kernel (they never depend on it), the token tiles
@@ -147,7 +147,8 @@ CUTLASS_DEVICE void produce_moe_gemm_loop(const MoeGemmParams& p,
     const Element* src = nullptr;
     if constexpr (kGather) {
       const int t = u.t0 + gather_row;
-      const int64_t row = gather_row < kTileX && t < u.rows ? x_source_row(p, u.row_begin + t) : -1;
+      const int64_t row =
+          gather_row < kTileX && t < u.rows ? x_source_row(p, u.row_begin + t) : -1;
       src = row >= 0 ? static_cast<const Element*>(p.x_gather) + row * p.ldx : nullptr;
     }
     for (int kt = u.kt_begin; kt < u.kt_end; ++kt, ++issued) {
