@@ -90,16 +90,22 @@ def draw_case(seed: int, scheme: str, small: bool) -> Case:
 
 
 def _layer_reference(p):
-    """The fp32 reference with the layer's precision model (test_cute_backend.reference), and
-    its handling of fp16 hidden states in the bf16 scheme: the op runs them in bf16 (x rounded
-    to bf16, unless the router weight is applied to it first in fp32) and rounds its sum to
-    bf16 before the fp16 output. bf16 values are fp16 values at unit scale, so both roundings
-    are exact conversions back to fp16."""
-    if p.quant is not None or p.x.dtype != torch.float16:
+    """The fp32 reference with the layer's precision model (test_cute_backend.reference), plus
+    what the op does to fp16 problems in the bf16 scheme: it runs the layer in bf16, so x
+    (times the router weight, in fp32, when that is applied to the input) and the fp16 weights
+    are rounded to bf16, and the output is the bf16 result converted to fp16. The reference
+    gets the same bf16 operands."""
+    if p.quant is not None or p.x.dtype not in (torch.bfloat16, torch.float16):
         return reference(p)
-    if not p.apply_router_weight_on_input:
-        p = replace(p, x=p.x.to(torch.bfloat16).to(torch.float16))
-    return reference(p).to(torch.bfloat16).to(torch.float16)
+    dtype = p.x.dtype
+    p = replace(p, w1=p.w1.to(torch.bfloat16), w2=p.w2.to(torch.bfloat16))
+    if p.apply_router_weight_on_input:
+        x = (p.x.float() * p.topk_weights.float()).to(torch.bfloat16)
+        p = replace(p, x=x, topk_weights=torch.ones_like(p.topk_weights),
+                    apply_router_weight_on_input=False)
+    else:
+        p = replace(p, x=p.x.to(torch.bfloat16))
+    return reference(p).to(dtype)
 
 
 def run_case(c: Case, device: str) -> None:
