@@ -141,7 +141,9 @@ def gemm_ops(counts, n, k, config=""):
 def whole_layers(backends=("torch", "triton", "sm90")):
     """fused_experts on every GPU backend of `backends` that runs each scheme (torch, triton,
     sm90 where it supports it), with 1 and 3 tokens (ids out of range), an expert_map with -1
-    and out-of-local entries, one hot expert and 300 tokens; out= given for half of them."""
+    and out-of-local entries, one hot expert and 300 tokens, and many experts with few rows
+    each (where the sm90 layer's GEMM1 gathers x's rows itself:
+    heuristics::layer_gathers_gemm1_rows); out= given for half of them."""
     from hopper_moe import api
     from hopper_moe.quant import make_quant_config
 
@@ -149,7 +151,8 @@ def whole_layers(backends=("torch", "triton", "sm90")):
                ("fp8_channel", {}), ("fp8_block", {})]
     emap = torch.tensor([0, -1, 1, 5, 2, -1, 3, 9], dtype=torch.int32, device=dev)
     cases = [dict(T=1, E=8, K=2), dict(T=3, E=8, K=3, bad=True),
-             dict(T=17, E=8, K=2, expert_map=emap), dict(T=300, E=8, K=2, hot=True)]
+             dict(T=17, E=8, K=2, expert_map=emap), dict(T=300, E=8, K=2, hot=True),
+             dict(T=3, E=128, K=4), dict(T=2, E=64, K=8, bad=True)]
     H, I = 256, 384
     for scheme, kw in schemes:
         for c in cases:
