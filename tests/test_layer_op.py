@@ -23,11 +23,16 @@ from conftest import DEVICES, gpu, poison
 from hopper_moe import api, fused_experts
 from hopper_moe.backends import sm90
 from test_fused_moe import make_problem
+from test_heuristics import rule_k_splits
 
 LAYER = torch.ops.hopper_moe.fused_experts_sm90.default
 SCHEMES = ["bf16", "fp8_tensor_static", "fp8_tensor_dynamic", "fp8_channel"]
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 LAYER_DEVICES = ["cpu"] + (["cuda"] if SM90 else [])
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def op_args(p, out):
@@ -91,6 +96,30 @@ def test_op_equals_its_steps_off_the_tiles(device, scheme):
         out = poison(torch.empty_like(p.x))
         LAYER(*op_args(p, out))
         assert torch.equal(out, composed(p)), f"{device} {scheme} {case}"
+
+
+@pytest.mark.parametrize("device", LAYER_DEVICES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_op_is_deterministic(device, scheme):
+    """Bit-equal over 20 reruns (3 on the CPU): every sum of the layer has a fixed order (the
+    README's claim). Both of GEMM1's row sources, and on the GPU a decode shape whose long K
+    the heuristic splits (partial sums added by the reduce kernel)."""
+    cases = [(dict(m=3, e=128, topk=4), 128, 64), (dict(m=300, e=8, topk=2, invalid_ids=True),
+                                                   128, 64)]
+    if device == "cuda":
+        # GEMM2 (N = H = 512, K = I = 8192, 4 rows on 8 experts): split 4 ways (bf16) / 2 (FP8).
+        dtype = "bf16" if scheme == "bf16" else "e4m3"
+        assert rule_k_splits(dtype, 4, 8, 512, 8192, sm_count=_sm_count()) > 1
+        cases.append((dict(m=2, e=8, topk=2), 512, 8192))
+    for case, h, i in cases:
+        p = _problem(scheme, case, h=h, i=i).to(device)
+        first = None
+        for _ in range(20 if device == "cuda" else 3):
+            out = poison(torch.empty_like(p.x))
+            LAYER(*op_args(p, out))
+            if first is None:
+                first = out
+            assert torch.equal(out, first), f"{device} {scheme} {case}"
 
 
 @pytest.mark.parametrize("device", LAYER_DEVICES)
