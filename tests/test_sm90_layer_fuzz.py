@@ -5,7 +5,7 @@ Each case draws, for one scheme (bf16, FP8 per-tensor static and dynamic, per-to
 per-channel): M in 1..4096 (most under 256, where decode runs), E, topk, H and I (multiples
 of 16 bytes, rarely of the 64/128 tiles), the activation dtype, an expert_map with -1 entries,
 out-of-range ids, apply_router_weight_on_input and the ids' dtype. The op writes into a
-poisoned output (NaN), so a row it skips fails the check. The CPU run (CI) takes a few small
+poisoned output (NaN), so a row it skips fails the check. The CPU run (CI) takes 50 small
 cases per scheme through the op's CPU definition; the GPU run takes 1,000 cases per scheme
 through the SM90 kernels, in shards that run in parallel. A failing case prints one line with
 its seed; rerun just that case with
@@ -28,7 +28,7 @@ from requant_bound import check_within_bound
 from test_fused_moe import TOL, base_scheme, check_close, check_close_requant, make_problem
 
 _ONE_SEED = os.environ.get("HOPPER_MOE_FUZZ_SEED")
-CPU_CASES_PER_SCHEME = 6
+CPU_CASES_PER_SCHEME = 50  # 200 CPU cases (RELIABILITY: >= 200 in CI)
 GPU_CASES_PER_SCHEME, GPU_SHARDS = 1000, 8
 GPU_SEED_BASE = 1_000_000
 
