@@ -3,9 +3,11 @@
 // Schemas are vLLM's (torch.ops._moe_C / torch.ops._C), argument for argument, under the
 // namespace `hopper_moe`; tests/test_schemas.py compares them with docs/OPS.md's strings.
 // Fake (meta) implementations are registered from Python (python/hopper_moe/_fake.py).
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 
 #include <limits>
+#include <utility>
 
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/moe/sort_plan.h"
@@ -172,32 +174,46 @@ TORCH_LIBRARY(hopper_moe, m) {
       "bool per_out_ch) -> ()");
 }
 
-#define HOPPER_MOE_IMPL_ALL(m, ns)                                                            \
-  m.impl("topk_softmax", &ns::topk_softmax);                                                  \
-  m.impl("topk_sigmoid", &ns::topk_sigmoid);                                                  \
-  m.impl("grouped_topk", &ns::grouped_topk);                                                  \
-  m.impl("moe_align_block_size", &ns::moe_align_block_size);                                  \
-  m.impl("moe_permute", &ns::moe_permute);                                                    \
-  m.impl("moe_permute_with_scratch", &ns::moe_permute_with_scratch);                          \
-  m.impl("moe_prepare_scatter", &ns::moe_prepare_scatter);                                    \
-  m.impl("moe_unpermute", &ns::moe_unpermute);                                                \
-  m.impl("shuffle_rows", &ns::shuffle_rows);                                                  \
-  m.impl("moe_sum", &ns::moe_sum);                                                            \
-  m.impl("silu_and_mul", &ns::silu_and_mul);                                                  \
-  m.impl("silu_and_mul_quant", &ns::silu_and_mul_quant);                                      \
-  m.impl("static_scaled_fp8_quant", &ns::static_scaled_fp8_quant);                            \
-  m.impl("fp8_quant_rows", &ns::fp8_quant_rows);                                              \
-  m.impl("dynamic_scaled_fp8_quant", &ns::dynamic_scaled_fp8_quant);                          \
-  m.impl("dynamic_per_token_scaled_fp8_quant", &ns::dynamic_per_token_scaled_fp8_quant);      \
-  m.impl("per_token_group_fp8_quant", &ns::per_token_group_fp8_quant);                        \
-  m.impl("get_cutlass_moe_mm_data", &ns::get_cutlass_moe_mm_data);                            \
-  m.impl("get_cutlass_moe_mm_problem_sizes_from_expert_offsets",                              \
-         &ns::get_cutlass_moe_mm_problem_sizes_from_expert_offsets);                          \
-  m.impl("moe_grouped_gemm", &ns::moe_grouped_gemm);                                          \
-  m.impl("moe_grouped_gemm_silu_mul", &ns::moe_grouped_gemm_silu_mul);                        \
-  m.impl("moe_grouped_gemm_chain", &ns::moe_grouped_gemm_chain);                              \
-  m.impl("cutlass_moe_mm", &ns::cutlass_moe_mm);                                              \
-  m.impl("fused_experts_sm90", &ns::fused_experts_sm90);
+// Every implementation runs with autograd off: the ops are kernels without a derivative,
+// and a tensor that requires grad (a module's nn.Parameter weights outside no_grad) would
+// otherwise make an internal out= call fail with autograd's message instead of computing.
+// Outputs get no gradient (autograd's not-implemented fallback warns on backward).
+template <auto F>
+struct NoGrad;
+template <class R, class... A, R (*F)(A...)>
+struct NoGrad<F> {
+  static R call(A... a) {
+    const at::NoGradGuard no_grad;
+    return F(std::forward<A>(a)...);
+  }
+};
+
+#define HOPPER_MOE_IMPL(m, ns, name) m.impl(#name, &NoGrad<&ns::name>::call);
+#define HOPPER_MOE_IMPL_ALL(m, ns)                                                              \
+  HOPPER_MOE_IMPL(m, ns, topk_softmax)                                                          \
+  HOPPER_MOE_IMPL(m, ns, topk_sigmoid)                                                          \
+  HOPPER_MOE_IMPL(m, ns, grouped_topk)                                                          \
+  HOPPER_MOE_IMPL(m, ns, moe_align_block_size)                                                  \
+  HOPPER_MOE_IMPL(m, ns, moe_permute)                                                           \
+  HOPPER_MOE_IMPL(m, ns, moe_permute_with_scratch)                                              \
+  HOPPER_MOE_IMPL(m, ns, moe_prepare_scatter)                                                   \
+  HOPPER_MOE_IMPL(m, ns, moe_unpermute)                                                         \
+  HOPPER_MOE_IMPL(m, ns, shuffle_rows)                                                          \
+  HOPPER_MOE_IMPL(m, ns, moe_sum)                                                               \
+  HOPPER_MOE_IMPL(m, ns, silu_and_mul)                                                          \
+  HOPPER_MOE_IMPL(m, ns, silu_and_mul_quant)                                                    \
+  HOPPER_MOE_IMPL(m, ns, static_scaled_fp8_quant)                                               \
+  HOPPER_MOE_IMPL(m, ns, fp8_quant_rows)                                                        \
+  HOPPER_MOE_IMPL(m, ns, dynamic_scaled_fp8_quant)                                              \
+  HOPPER_MOE_IMPL(m, ns, dynamic_per_token_scaled_fp8_quant)                                    \
+  HOPPER_MOE_IMPL(m, ns, per_token_group_fp8_quant)                                             \
+  HOPPER_MOE_IMPL(m, ns, get_cutlass_moe_mm_data)                                               \
+  HOPPER_MOE_IMPL(m, ns, get_cutlass_moe_mm_problem_sizes_from_expert_offsets)                  \
+  HOPPER_MOE_IMPL(m, ns, moe_grouped_gemm)                                                      \
+  HOPPER_MOE_IMPL(m, ns, moe_grouped_gemm_silu_mul)                                             \
+  HOPPER_MOE_IMPL(m, ns, moe_grouped_gemm_chain)                                                \
+  HOPPER_MOE_IMPL(m, ns, cutlass_moe_mm)                                                        \
+  HOPPER_MOE_IMPL(m, ns, fused_experts_sm90)
 
 TORCH_LIBRARY_IMPL(hopper_moe, CPU, m) { HOPPER_MOE_IMPL_ALL(m, hopper_moe::cpu) }
 

@@ -55,7 +55,7 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
   HM_CHECK(kOp, m <= 1 || a.stride(0) >= k, "a.stride(0) (", a.stride(0),
            ") must be >= a.size(1) (K = ", k,
            "): rows of a must not overlap (a broadcast a, e.g. a.expand, has row stride 0)");
-  check_no_zero_stride_output_named(kOp, out, "out");
+  check_output_elements_distinct_named(kOp, out, "out");
   check_outputs_disjoint(kOp, {{out, "out"}},
                          {{a, "a"}, {b, "b"}, {expert_offsets, "expert_offsets"},
                           {a_scales, "a_scales"}, {b_scales, "b_scales"}});
@@ -81,7 +81,7 @@ void check_operands(const char* kOp, const at::Tensor& out, int64_t out_cols,
     HM_CHECK(kOp, as.numel() == 1 || (as.numel() == m && as.size(0) == m),
              "a_scales must hold 1 (per tensor) or M = ", m, " (per token) values, got shape ",
              as.sizes());
-    HM_CHECK(kOp, bs.size(0) == e && (bs.numel() == e || bs.numel() == e * n),
+    HM_CHECK(kOp, bs.dim() >= 1 && bs.size(0) == e && (bs.numel() == e || bs.numel() == e * n),
              "b_scales must have shape [E] (per expert) or [E, N] / [E, N, 1] (per channel) ",
              "with E = ", e, ", N = ", n, ", got ", bs.sizes());
   }
@@ -314,13 +314,32 @@ void cutlass_moe_mm(at::Tensor& out_tensors, const at::Tensor& a_tensors,
            ", got shape ", a_scales.sizes());
   HM_CHECK(kOp, a_tensors.size(1) > 0, "a_tensors.size(1) (K) must be > 0, got ",
            a_tensors.size(1));
+  // The layout rules of moe_grouped_gemm (the kernel this op runs), under this op's names.
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{b_tensors, "b_tensors"},
+        {out_tensors, "out_tensors"}, {a_scales, "a_scales"}, {b_scales, "b_scales"}}) {
+    check_same_device_named(kOp, t, name, a_tensors, "a_tensors");
+  }
+  check_last_dim_contiguous_named(kOp, a_tensors, "a_tensors");
+  check_last_dim_contiguous_named(kOp, out_tensors, "out_tensors");
+  check_contiguous_named(kOp, b_tensors, "b_tensors");
+  check_contiguous_named(kOp, a_scales, "a_scales");
+  check_contiguous_named(kOp, b_scales, "b_scales");
+  HM_CHECK(kOp, a_tensors.size(1) % 16 == 0,
+           "a_tensors.size(1) (K) must be a multiple of 16 (16-byte rows of FP8), got ",
+           a_tensors.size(1));
+  HM_CHECK(kOp, a_tensors.numel() == 0 || a_tensors.stride(0) % 16 == 0,
+           "a_tensors' row stride must be a multiple of 16 bytes (stride ", a_tensors.stride(0),
+           ")");
+  if (a_tensors.numel() > 0) check_aligned16_named(kOp, a_tensors, "a_tensors");
+  if (b_tensors.numel() > 0) check_aligned16_named(kOp, b_tensors, "b_tensors");
   HM_CHECK(kOp, m <= 1 || a_tensors.stride(0) >= a_tensors.size(1), "a_tensors.stride(0) (",
            a_tensors.stride(0), ") must be >= a_tensors.size(1) (K = ", a_tensors.size(1),
            "): rows of a_tensors must not overlap (a broadcast a_tensors has row stride 0)");
   HM_CHECK(kOp, e <= heuristics::kMaxExperts, "b_tensors.size(0) (E) must be at most ",
            heuristics::kMaxExperts, " experts (the kernel's per-expert tile table; the same ",
            "rule on every device), got ", e);
-  check_no_zero_stride_output_named(kOp, out_tensors, "out_tensors");
+  check_output_elements_distinct_named(kOp, out_tensors, "out_tensors");
   check_outputs_disjoint(kOp, {{out_tensors, "out_tensors"}},
                          {{a_tensors, "a_tensors"}, {b_tensors, "b_tensors"},
                           {a_scales, "a_scales"}, {b_scales, "b_scales"},

@@ -140,7 +140,8 @@ LayerScheme fused_experts_sm90(
     if (s.num_global == -1) s.num_global = m.size(0);
     HM_CHECK(kOp, m.size(0) == s.num_global, "expert_map must have global_num_experts = ",
              s.num_global, " entries, got ", m.size(0));
-    HM_CHECK(kOp, s.num_global <= 65536, "global_num_experts must be at most 65536, got ",
+    HM_CHECK(kOp, s.num_global >= 1 && s.num_global <= 65536,
+             "global_num_experts (expert_map's entries) must be in [1, 65536], got ",
              s.num_global);
   }
   HM_CHECK(kOp, global_num_experts == -1 || global_num_experts >= 1,

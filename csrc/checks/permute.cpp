@@ -206,7 +206,7 @@ void check_permute(const char* kOp, const at::Tensor& input, const at::Tensor& t
            "permuted_input must have at least num_tokens * topk = ", slots, " rows (got ",
            permuted_input.size(0), ")");
   HM_CHECK_SAME_DEVICE(kOp, permuted_input, input);
-  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, permuted_input);
+  HM_CHECK_OUTPUT_DISTINCT(kOp, permuted_input);
 
   HM_CHECK_DTYPE(kOp, permuted_idx, at::kInt);
   HM_CHECK_DIM(kOp, permuted_idx, 1);
@@ -308,7 +308,7 @@ void moe_unpermute(const at::Tensor& permuted_hidden_states, const at::Tensor& t
   HM_CHECK_SIZE(kOp, hidden_states, 1, permuted_hidden_states.size(1),
                 "permuted_hidden_states.size(1)");
   HM_CHECK_SAME_DEVICE(kOp, hidden_states, permuted_hidden_states);
-  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, hidden_states);
+  HM_CHECK_OUTPUT_DISTINCT(kOp, hidden_states);
   const int64_t num_tokens = hidden_states.size(0);
 
   HM_CHECK_DTYPE(kOp, topk_weights, at::kFloat);
@@ -360,7 +360,7 @@ void shuffle_rows(const at::Tensor& input_tensor, const at::Tensor& dst2src_map,
   HM_CHECK_SIZE(kOp, output_tensor, 0, dst2src_map.size(0), "dst2src_map.size(0)");
   HM_CHECK_SIZE(kOp, output_tensor, 1, input_tensor.size(1), "input_tensor.size(1)");
   HM_CHECK_SAME_DEVICE(kOp, output_tensor, input_tensor);
-  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, output_tensor);
+  HM_CHECK_OUTPUT_DISTINCT(kOp, output_tensor);
   check_outputs_disjoint(kOp, {{output_tensor, "output_tensor"}},
                          {{input_tensor, "input_tensor"}, {dst2src_map, "dst2src_map"}});
 }

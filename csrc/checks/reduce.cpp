@@ -23,7 +23,7 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
   HM_CHECK_SIZE(kOp, output, 0, input.size(0), "num_tokens = input.size(0)");
   HM_CHECK_SIZE(kOp, output, 1, input.size(2), "hidden_size = input.size(2)");
   HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, output);
-  HM_CHECK_NO_ZERO_STRIDE_OUTPUT(kOp, output);
+  HM_CHECK_OUTPUT_DISTINCT(kOp, output);
   HM_CHECK_NO_OVERLAP(kOp, output, input);
 
   if (topk_ids) {
@@ -42,6 +42,9 @@ void moe_sum(const at::Tensor& input, at::Tensor& output, const OptTensor& topk_
     check_dtype_named(kOp, map, "expert_map", at::kInt);
     check_same_device_named(kOp, map, "expert_map", input, "input");
     check_contiguous_named(kOp, map, "expert_map");
+    // An empty map would read as none at all in the kernels (its data pointer is null).
+    HM_CHECK(kOp, map.numel() >= 1,
+             "expert_map must have one entry per global expert (at least one), got 0");
   }
   check_outputs_disjoint(kOp, {{output, "output"}},
                          {{topk_ids, "topk_ids"}, {expert_map, "expert_map"}});

@@ -7,6 +7,8 @@
 // outside out). Offsets are meant to be non-decreasing (as moe_permute and
 // get_cutlass_moe_mm_data produce them); rows in no range are left untouched, rows in two
 // overlapping ranges are unspecified.
+#include <ATen/ops/empty_like.h>
+
 #include "hopper_moe/common/checks.h"
 #include "hopper_moe/gemm/cutlass_moe_mm_args.h"
 #include "ops.h"
@@ -21,7 +23,7 @@ void moe_grouped_gemm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                       const OptTensor& b_scales, bool offsets_ready, c10::string_view config) {
   check::moe_grouped_gemm(out, a, b, expert_offsets, a_scales, b_scales, offsets_ready, config);
   const int64_t m = a.size(0), e_count = b.size(0), n = b.size(1);
-  if (m == 0 || n == 0) return;
+  if (m == 0 || e_count == 0 || n == 0) return;  // no expert: no row is written (as on CUDA)
   const auto offsets = expert_offsets.cpu();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const at::Tensor af = a.to(at::kFloat);
@@ -53,7 +55,7 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
   check::moe_grouped_gemm_silu_mul(out, a, b, expert_offsets, a_scales, b_scales, out_scale,
                                    offsets_ready, amax_scale, config);
   const int64_t m = a.size(0), e_count = b.size(0);
-  if (m == 0 || out.size(1) == 0) return;
+  if (m == 0 || e_count == 0 || out.size(1) == 0) return;
   at::Tensor h = a.new_zeros({m, b.size(1)}, a.options().dtype(at::kBFloat16));
   moe_grouped_gemm(h, a, b, expert_offsets, a_scales, b_scales, offsets_ready, "");
   const auto offsets = expert_offsets.cpu();
@@ -62,11 +64,17 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
     const int64_t begin = std::clamp<int64_t>(off[e], 0, m);
     const int64_t end = std::clamp<int64_t>(off[e + 1], begin, m);
     if (end == begin) continue;
+    // out may have any row stride (the check's rule); silu_and_mul(_quant) writes contiguous
+    // rows, so those rows are computed into a contiguous block first when out's are not.
     at::Tensor rows = out.slice(0, begin, end);
+    at::Tensor dst =
+        rows.is_contiguous() ? rows : at::empty_like(rows, at::MemoryFormat::Contiguous);
     if (out_scale) {
-      silu_and_mul_quant(rows, h.slice(0, begin, end), *out_scale);
+      silu_and_mul_quant(dst, h.slice(0, begin, end), *out_scale);
+      if (!dst.is_same(rows)) rows.copy_(dst);
     } else {
-      silu_and_mul(rows, h.slice(0, begin, end));
+      silu_and_mul(dst, h.slice(0, begin, end));
+      if (!dst.is_same(rows)) rows.copy_(dst);
       if (amax_scale) {
         // max(scale, amax / 448) with fmaxf's rule: NaN elements do not count.
         const at::Tensor v = rows.to(at::kFloat).abs();

@@ -17,8 +17,10 @@
 // in Python before this op existed, in the same order with the same arguments.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 
 #include <algorithm>
@@ -265,7 +267,16 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   // its rows copied in expert order (a1).
   const at::Tensor ids = topk_ids.contiguous();
   OptTensor map;
-  if (expert_map) map = as_dtype(*expert_map, at::kInt).contiguous();
+  int64_t permute_experts = s.num_global;  // moe_permute's n_expert, >= its n_local_expert
+  if (expert_map) {
+    map = as_dtype(*expert_map, at::kInt).contiguous();
+    if (s.num_global < num_experts) {
+      // A map shorter than the local experts (ids past it count for nothing, as in the other
+      // backends): padded with non-local entries up to them.
+      map = at::cat({*map, at::full({num_experts - s.num_global}, -1, map->options())});
+      permute_experts = num_experts;
+    }
+  }
   at::Tensor slot_ids = Ops::slot_indices(num_tokens, topk, hidden_states);
   at::Tensor offsets = ws.take(offsets_at, {num_experts + 1}, at::kLong);
   at::Tensor inv_idx = ws.take(inv_at, {num_tokens, topk}, at::kInt);
@@ -280,13 +291,13 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   if (gather) {
     const at::Tensor no_cols = ws.take(perm_at, {num_tokens, 0}, hidden_states.scalar_type());
     at::Tensor no_rows = ws.take(perm_at, {slots, 0}, hidden_states.scalar_type());
-    Ops::moe_permute(no_cols, ids, slot_ids, map, s.num_global, num_experts, topk, no_rows,
+    Ops::moe_permute(no_cols, ids, slot_ids, map, permute_experts, num_experts, topk, no_rows,
                      offsets, inv_idx, perm);
     offsets_ready = prepare_x();
   } else {
     prepare_x();
     a1 = ws.take(a1_at, {slots, hidden}, gemm_dtype);
-    Ops::moe_permute(xq, ids, slot_ids, map, s.num_global, num_experts, topk, a1, offsets,
+    Ops::moe_permute(xq, ids, slot_ids, map, permute_experts, num_experts, topk, a1, offsets,
                      inv_idx, perm);
     a1s = x_scale;
     if (s.per_act_token) {

@@ -332,6 +332,22 @@ def explain_backend(num_tokens: int, w1: torch.Tensor, w2: torch.Tensor, top_k: 
         _fail(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         _fail(f"top_k must be an int >= 1, got {top_k!r}")
+    if dtype not in _HIDDEN_DTYPES:
+        _fail(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    num_experts, n1, hidden_size = w1.shape
+    if num_experts < 1 or n1 == 0 or n1 % 2 or \
+            tuple(w2.shape) != (num_experts, hidden_size, n1 // 2):
+        _fail(f"w1 [E, 2I, H] and w2 [E, H, I] must agree (E >= 1, I >= 1), got "
+              f"{tuple(w1.shape)} and {tuple(w2.shape)}")
+    if quant is None:
+        if w1.dtype != dtype:
+            _fail(f"w1 must have the dtype of the hidden states ({dtype}) when quant is None, "
+                  f"got {w1.dtype}")
+    else:
+        if not isinstance(quant, QuantConfig):
+            _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
+        quant = quant.resolve(w1)
+        quant.validate(w1, w2)
     return _auto_choice(w1.device, dtype, num_tokens, w1, w2, top_k, quant)
 
 
@@ -501,13 +517,19 @@ def fused_moe(
     arguments (``out`` as there). Returns ``[M, H]`` in hidden_states' dtype."""
     # The router scores every global expert: a narrower or wider gating_output would route
     # to experts that do not exist (silently dropped) or never route to some that do.
-    num_global = w1.shape[0] if global_num_experts == -1 else global_num_experts
+    # The number of global experts as fused_experts counts them: global_num_experts, else
+    # expert_map's length, else w1.size(0).
+    if global_num_experts != -1:
+        num_global, source = global_num_experts, "global_num_experts"
+    elif isinstance(expert_map, torch.Tensor) and expert_map.dim() == 1:
+        num_global, source = expert_map.shape[0], "expert_map.size(0)"
+    else:
+        num_global, source = (w1.shape[0] if isinstance(w1, torch.Tensor) and w1.dim() == 3
+                              else None), "w1.size(0)"
     if isinstance(gating_output, torch.Tensor) and gating_output.dim() == 2 and \
-            isinstance(w1, torch.Tensor) and w1.dim() == 3 and \
-            gating_output.shape[1] != num_global:
+            num_global is not None and gating_output.shape[1] != num_global:
         _fail(f"gating_output.size(1) must be the number of experts "
-              f"({'w1.size(0)' if global_num_experts == -1 else 'global_num_experts'} = "
-              f"{num_global}), got {gating_output.shape[1]}")
+              f"({source} = {num_global}), got {gating_output.shape[1]}")
     topk_weights, topk_ids, _ = fused_topk(hidden_states, gating_output, topk, renormalize,
                                            scoring_func=scoring_func)
     return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation,

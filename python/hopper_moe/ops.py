@@ -15,6 +15,23 @@ _ops = torch.ops.hopper_moe
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+def _fail(op: str, msg: str) -> None:
+    raise RuntimeError(f"hopper_moe::{op}: {msg}")
+
+
+def _require_dim(op: str, name: str, t, dim: int, at_least: bool = False) -> None:
+    """What an allocating wrapper reads of a tensor's shape before the op's own checks run:
+    a tensor of `dim` dimensions (at least `dim` with at_least)."""
+    if not isinstance(t, torch.Tensor) or (t.dim() < dim if at_least else t.dim() != dim):
+        got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        _fail(op, f"{name} must be a {'>= ' if at_least else ''}{dim}-D tensor, got {got}")
+
+
+def _require_int(op: str, name: str, v, low: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        _fail(op, f"{name} must be an int >= {low}, got {v!r}")
+
+
 # ----------------------------------------------------------------------------- routing
 def topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  token_expert_indices: torch.Tensor, gating_output: torch.Tensor,
@@ -53,6 +70,9 @@ def moe_align_block_size_buffers(topk_ids: torch.Tensor, num_experts: int, block
     if block_size <= 0:
         raise RuntimeError(f"hopper_moe::moe_align_block_size: block_size must be > 0, "
                            f"got {block_size}")
+    _require_int("moe_align_block_size", "num_experts", num_experts, 1)
+    if not isinstance(topk_ids, torch.Tensor):
+        _fail("moe_align_block_size", f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
     numel = topk_ids.numel()
     max_padded = numel + num_experts * (block_size - 1)
     if numel < num_experts:
@@ -82,11 +102,15 @@ def moe_permute(hidden_states: torch.Tensor, a1q_scale: torch.Tensor | None,
     """Group the rows of hidden_states [T,H] by expert. Returns (permuted_hidden_states
     [T*K,H], a1q_scale permuted when per-token, expert_first_token_offset int64 [E_local+1],
     inv_permuted_idx int32 [T*K], permuted_idx int32 [T*K])."""
+    _require_dim("moe_permute", "hidden_states", hidden_states, 2)
+    _require_dim("moe_permute", "topk_ids", topk_ids, 2)
     n_token, n_hidden = hidden_states.shape
     topk = topk_ids.size(1)
     rows = n_token * topk
+    _require_int("moe_permute", "n_expert", n_expert, 1)
     if n_local_expert == -1:
         n_local_expert = n_expert
+    _require_int("moe_permute", "n_local_expert (or -1)", n_local_expert, 1)
     dev = hidden_states.device
     if permuted_hidden_states is None:
         permuted_hidden_states = torch.empty((rows, n_hidden), dtype=hidden_states.dtype,
@@ -141,6 +165,12 @@ def moe_unpermute(out: torch.Tensor, permuted_hidden_states: torch.Tensor,
                   topk_weights: torch.Tensor, inv_permuted_idx: torch.Tensor,
                   expert_first_token_offset: torch.Tensor | None = None) -> None:
     """out[t] = sum_k topk_weights[t,k] * permuted_hidden_states[inv_permuted_idx[t,k]]."""
+    _require_dim("moe_unpermute", "topk_weights", topk_weights, 2)
+    if not isinstance(inv_permuted_idx, torch.Tensor) or \
+            inv_permuted_idx.numel() != topk_weights.numel():
+        _fail("moe_unpermute", f"inv_permuted_idx must hold num_tokens * topk = "
+                               f"{topk_weights.numel()} entries ([T*K] or [T, K]), got "
+                               f"{getattr(inv_permuted_idx, 'shape', inv_permuted_idx)}")
     topk = topk_weights.size(1)
     _ops.moe_unpermute(permuted_hidden_states, topk_weights,
                        inv_permuted_idx.view(topk_weights.shape), expert_first_token_offset,
@@ -149,6 +179,8 @@ def moe_unpermute(out: torch.Tensor, permuted_hidden_states: torch.Tensor,
 
 def shuffle_rows(input_tensor: torch.Tensor, dst2src_map: torch.Tensor) -> torch.Tensor:
     """Returns out with out[i] = input_tensor[dst2src_map[i]]."""
+    _require_dim("shuffle_rows", "input_tensor", input_tensor, 2)
+    _require_dim("shuffle_rows", "dst2src_map", dst2src_map, 1)
     output_tensor = torch.empty((dst2src_map.size(0), input_tensor.size(1)),
                                 dtype=input_tensor.dtype, device=input_tensor.device)
     _ops.shuffle_rows(input_tensor, dst2src_map, output_tensor)
@@ -165,6 +197,7 @@ def moe_sum(input: torch.Tensor, output: torch.Tensor, topk_ids: torch.Tensor | 
 def silu_and_mul(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """out[..., d] = silu(x[..., :d]) * x[..., d:]; allocates out when None."""
     if out is None:
+        _require_dim("silu_and_mul", "input", x, 1, at_least=True)
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
     _ops.silu_and_mul(out, x)
     return out
@@ -174,6 +207,7 @@ def silu_and_mul_quant(out: torch.Tensor | None, x: torch.Tensor,
                        scale: torch.Tensor) -> torch.Tensor:
     """FP8 (static scale) of silu(x[..., :d]) * x[..., d:]; allocates out when None."""
     if out is None:
+        _require_dim("silu_and_mul_quant", "input", x, 1, at_least=True)
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=FP8_DTYPE, device=x.device)
     _ops.silu_and_mul_quant(out, x, scale)
     return out
@@ -250,6 +284,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, eps: float = 1e-
     """Per (token, group of `group_size` columns) dynamic FP8 quantization.
     Returns (x_q like x in fp8, x_s f32 [..., K/group_size], column-major when asked)."""
     dtype = dtype or FP8_DTYPE
+    _require_dim("per_token_group_fp8_quant", "input", x, 1, at_least=True)
     finfo = torch.finfo(dtype)
     if group_size <= 0:
         raise RuntimeError(f"per_token_group_quant_fp8: group_size must be > 0 (got {group_size})")

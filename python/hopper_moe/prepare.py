@@ -84,6 +84,13 @@ class _KernelQuant:
         return ops.scaled_fp8_quant(x, static_scale)
 
 
+def _abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN as 0: an amax over it skips NaN elements as the quantization ops' C
+    ``fmaxf`` does (hopper_moe.reference.quant's rule), so every backend scales alike."""
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+
+
 class _NativeQuant:
     """The same rules in tensor ops on fp32 ``x``: scale ``[R, C/g]`` per group, ``[R, 1]``
     per token, ``[]`` per tensor."""
@@ -92,13 +99,15 @@ class _NativeQuant:
     def per_group(x: torch.Tensor, group: int):
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * GROUP_INV_MAX
+        scale = _abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
+            GROUP_INV_MAX
         q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(rows, cols), scale.reshape(rows, cols // group)
 
     @staticmethod
     def per_token(x: torch.Tensor):
-        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        scale = (_abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
+            FP8_MIN_SCALE)
         return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
     @staticmethod
@@ -106,7 +115,7 @@ class _NativeQuant:
         if static_scale is not None:
             scale = static_scale.float().reshape(())
         else:  # over all of x: callers zero the rows that must not count
-            scale = (x.abs().amax() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+            scale = (_abs_ignoring_nan(x).amax() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
         # Per tensor multiplies by the reciprocal, as the per-tensor quantization ops do.
         return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -220,8 +229,11 @@ _LOCAL_MAPS = WeakTensorKeyDictionary()
 
 
 def local_expert_map(expert_map: torch.Tensor, num_local: int) -> torch.Tensor:
-    """expert_map with every entry outside [0, num_local) set to -1 (a non-local expert), in
-    expert_map's dtype: kernels that index the local weights with a mapped id need no bound.
+    """expert_map with every entry outside [0, num_local) set to -1 (a non-local expert), as
+    int32 (what the kernels and ops take; int64 maps are accepted by the API), and padded with
+    -1 to num_local entries when shorter (ids past the map count for nothing; the ops that take
+    a map count experts by its length and need every local id below it): kernels that index
+    the local weights with a mapped id need no bound.
     Made once per map (and again after an in-place change of it); under torch.compile, a CUDA
     graph capture or for an inference-mode tensor it is computed in place of the cache."""
     # An inference tensor has no version counter: an in-place change could not be seen, so
@@ -233,7 +245,9 @@ def local_expert_map(expert_map: torch.Tensor, num_local: int) -> torch.Tensor:
         if hit is not None and hit[0] == expert_map._version and hit[1] == num_local:
             return hit[2]
     inside = (expert_map >= 0) & (expert_map < num_local)
-    local = torch.where(inside, expert_map, torch.full_like(expert_map, -1))
+    local = torch.where(inside, expert_map, torch.full_like(expert_map, -1)).to(torch.int32)
+    if local.shape[0] < num_local:
+        local = torch.cat([local, local.new_full((num_local - local.shape[0],), -1)])
     if cacheable:
         _LOCAL_MAPS[expert_map] = (expert_map._version, num_local, local)
     return local

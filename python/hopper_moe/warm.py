@@ -58,7 +58,9 @@ def _compiled_variants() -> Optional[int]:
 
 def _classes(w1, w2, top_k: int, max_num_tokens: int, dtype: torch.dtype, quant,
              global_num_experts: int, backend: str) -> dict[tuple, int]:
-    """(backend, kernel class) -> the smallest token count in it, over 1..max_num_tokens."""
+    """(backend, kernel class) -> the smallest token count in it, over 1..max_num_tokens.
+    global_num_experts: the resolved count with an expert_map, -1 without (the Triton
+    backend's expert count is then w1's)."""
     from .kernels.moe_gemm_configs import get_config
 
     device = w1.device
@@ -103,7 +105,16 @@ def warmup(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int =
         _fail(f"threads must be None or an int >= 1, got {threads!r}")
     device = w1.device
     hidden = w1.shape[2]
-    num_global = w1.shape[0] if global_num_experts == -1 else global_num_experts
+    if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
+        _fail(f"global_num_experts must be an int, got {global_num_experts!r}")
+    # The global expert count as fused_experts resolves it (the range the router's ids come
+    # from, and the count the Triton configs are chosen by): with expert_map,
+    # global_num_experts or else the map's length; without, w1's experts.
+    if isinstance(expert_map, torch.Tensor) and expert_map.dim() == 1:
+        num_global = expert_map.shape[0] if global_num_experts == -1 else global_num_experts
+        global_num_experts = num_global
+    else:
+        num_global = w1.shape[0]
     if top_k > num_global:
         _fail(f"top_k = {top_k} must be at most the number of experts ({num_global})")
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -123,7 +134,8 @@ def warmup(w1: torch.Tensor, w2: torch.Tensor, top_k: int, max_num_tokens: int =
 
     # Validates every argument once, with fused_experts' own messages.
     call(1, backend)
-    reps = _classes(w1, w2, top_k, max_num_tokens, dtype, quant, global_num_experts,
+    reps = _classes(w1, w2, top_k, max_num_tokens, dtype, quant,
+                    global_num_experts if expert_map is not None else -1,
                     api._canonical(backend))
     report = WarmupReport()
     for (name, _), m in sorted(reps.items(), key=lambda kv: kv[1]):

@@ -65,6 +65,10 @@ def is_available(device_type: str) -> bool:
     return _CUDA_SM90
 
 
+# The most local experts the op takes (heuristics::kMaxExperts in csrc/, checked there; a test
+# holds the two equal).
+MAX_EXPERTS = 1024
+
 # Whether any GPU of this process can run the kernel; _check_supported then asks about the
 # tensors' own device (_SM90_DEVICES), so a machine with other GPUs too gets a clear error
 # for those.
@@ -84,6 +88,9 @@ def unsupported_reason(device: torch.device, w1: torch.Tensor, w2: torch.Tensor,
     """Why this backend cannot run a layer with these weights on `device` (None: it can)."""
     if quant is not None and quant.block_shape is not None:
         return "block-wise FP8 (quant.block_shape) is not supported yet; use backend='triton'"
+    if w1.shape[0] > MAX_EXPERTS:
+        return (f"w1.size(0) (num_experts) = {w1.shape[0]} must be at most {MAX_EXPERTS} (the "
+                f"GEMM's per-expert tile table)")
     # The bulk tensor copies read rows of 16 bytes' multiples: H (GEMM1's K) and I (GEMM2's K).
     elem = 1 if quant is not None else 2
     hidden, inter = w1.shape[2], w2.shape[2]

@@ -242,6 +242,7 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     # non-local expert (-1), as in the other backends, never a row of w1 / w2 past its end.
     if expert_map is not None:
         expert_map = prepare.local_expert_map(expert_map, w1.shape[0])
+        num_experts = expert_map.shape[0]  # the global count, or E when the map is shorter
     # The kernels read topk_weights with a flat slot index.
     topk_weights = topk_weights.contiguous()
     routing = Routing(topk_ids.contiguous(), expert_map, num_experts, cfg["BLOCK_M"],

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig
+from .quant import _abs_ignoring_nan
 
 __all__ = [
     "dequantize_weight_ref",
@@ -97,20 +98,24 @@ def quant_dequant_activation_ref(
     per_act_token_quant: one scale per row, max(amax_row / 448, 1/(448*512));
     block_shape: one scale per row per block_k columns, max(amax_group, 1e-10) * fp32(1 / 448);
     otherwise per-tensor: static_scale when given, else max(amax_all / 448, 1/(448*512)).
+    Every amax skips NaN elements, as the quantization ops' ``fmaxf`` does
+    (hopper_moe.reference.quant).
     """
     x = x.float()
     if quant.per_act_token_quant:
-        scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        scale = (_abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
+            FP8_MIN_SCALE)
         return _fp8_round_trip(x, scale)
     if quant.block_shape is not None:
         group = quant.block_shape[1]
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = xg.abs().amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * GROUP_INV_MAX
+        scale = _abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
+            GROUP_INV_MAX
         return _fp8_round_trip(xg, scale).reshape(rows, cols)
     if static_scale is not None:
         return _fp8_round_trip(x, static_scale.float().reshape(()), reciprocal=True)
-    amax = x.abs().amax() if x.numel() > 0 else x.new_zeros(())
+    amax = _abs_ignoring_nan(x).amax() if x.numel() > 0 else x.new_zeros(())
     return _fp8_round_trip(x, (amax / FP8_MAX).clamp_min(FP8_MIN_SCALE), reciprocal=True)
 
 
@@ -219,7 +224,7 @@ def fused_experts_ref(
         if not quant.per_act_token_quant and quant.block_shape is None and quant.a2_scale is None:
             # Dynamic per-tensor: one scale from the counted slots only.
             rows = flat[counted]
-            amax = rows.abs().amax() if rows.numel() > 0 else flat.new_zeros(())
+            amax = _abs_ignoring_nan(rows).amax() if rows.numel() > 0 else flat.new_zeros(())
             scale = (amax / FP8_MAX).clamp_min(FP8_MIN_SCALE)
             flat = _fp8_round_trip(flat, scale, reciprocal=True)
         else:

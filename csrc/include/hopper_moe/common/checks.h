@@ -16,13 +16,16 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <initializer_list>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace hopper_moe {
@@ -175,15 +178,30 @@ inline void check_no_overlap_named(const char* op, const at::Tensor& out, const 
            out.strides(), "; ", in_name, " shape ", in.sizes(), ", strides ", in.strides(), ")");
 }
 
-// A tensor the op writes: no dimension of size > 1 may have stride 0 (several threads would
-// write one element: a race on the GPU, an arbitrary result on the CPU).
-inline void check_no_zero_stride_output_named(const char* op, const at::Tensor& t,
-                                              const char* name) {
+// A tensor the op writes: every element must be its own memory. No dimension of size > 1 may
+// have stride 0 (a broadcast output), and, with the dimensions of size > 1 taken in order of
+// their strides, each stride must exceed the span of the dimensions with smaller strides (rows
+// that overlap, as as_strided can make them, are rejected too). Otherwise several threads
+// would write one element: a race on the GPU, an arbitrary result on the CPU. Conservative:
+// an interleaving of non-overlapping elements that this order does not show is rejected.
+inline void check_output_elements_distinct_named(const char* op, const at::Tensor& t,
+                                                 const char* name) {
+  c10::SmallVector<std::pair<int64_t, int64_t>, 4> dims;  // (stride, size), dims of size > 1
   for (int64_t d = 0; d < t.dim(); ++d) {
     HM_CHECK(op, t.size(d) <= 1 || t.stride(d) != 0, name,
              " is written by the op and must not have stride 0 in a dimension of size > 1 "
              "(a broadcast output; shape ",
              t.sizes(), ", strides ", t.strides(), ")");
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // the largest offset the smaller-stride dims reach
+  for (const auto& [stride, size] : dims) {
+    HM_CHECK(op, stride > span, name,
+             " is written by the op and its elements must not overlap (each stride must "
+             "exceed the span of the dimensions with smaller strides; shape ",
+             t.sizes(), ", strides ", t.strides(), ")");
+    span += stride * (size - 1);
   }
 }
 
@@ -229,8 +247,8 @@ inline void check_aligned16_named(const char* op, const at::Tensor& t, const cha
 #define HM_CHECK_SAME_SHAPE(op, t, ref) ::hopper_moe::check_same_shape_named(op, t, #t, ref, #ref)
 #define HM_CHECK_NO_OVERLAP(op, out, in) \
   ::hopper_moe::check_no_overlap_named(op, out, #out, in, #in)
-#define HM_CHECK_NO_ZERO_STRIDE_OUTPUT(op, t) \
-  ::hopper_moe::check_no_zero_stride_output_named(op, t, #t)
+#define HM_CHECK_OUTPUT_DISTINCT(op, t) \
+  ::hopper_moe::check_output_elements_distinct_named(op, t, #t)
 
 // Float inputs the activation and routing ops accept.
 #define HM_FLOAT_DTYPES {at::kFloat, at::kHalf, at::kBFloat16}
