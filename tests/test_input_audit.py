@@ -391,3 +391,26 @@ def test_python_op_wrappers_name_the_argument(call, match):
     torch's allocation error)."""
     with pytest.raises(RuntimeError, match=match):
         call()
+
+
+def test_grouped_topk_fake_checks_what_decides_its_shapes():
+    """Under fake tensors (torch.compile's tracing) grouped_topk's output shape comes from its
+    arguments: the rules the real op checks for them hold there too, with its messages (a
+    [T, 99] result used to propagate for a call the op rejects)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    scores, bias = torch.randn(5, 8), torch.randn(8)
+    for args, match in [((3, 1, 2), r"n_group must be >= 1 and divide num_experts = 8"),
+                        ((4, 5, 2), r"topk_group must be in \[1, n_group = 4\], got 5"),
+                        ((4, 2, 5), r"topk must be in \[1, topk_group \* num_experts / "
+                                    r"n_group = 4\], got 5")]:
+        with pytest.raises(RuntimeError, match=match):
+            O.grouped_topk(scores, *args, True, 1.0, bias, 1)
+        with FakeTensorMode() as mode:
+            s, b = mode.from_tensor(scores), mode.from_tensor(bias)
+            with pytest.raises(RuntimeError, match=match):
+                O.grouped_topk(s, *args, True, 1.0, b, 1)
+    with FakeTensorMode() as mode:
+        w, i = O.grouped_topk(mode.from_tensor(scores), 4, 2, 3, True, 1.0,
+                              mode.from_tensor(bias), 1)
+        assert tuple(w.shape) == tuple(i.shape) == (5, 3)

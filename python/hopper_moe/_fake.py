@@ -65,6 +65,22 @@ for _name in _IN_PLACE_OPS:
 def _grouped_topk_fake(scores, n_group, topk_group, topk, renormalize, routed_scaling_factor,
                        bias, scoring_func):
     _check_one_device("grouped_topk", (scores, bias), {})
+    # The rules that decide the outputs' shape (csrc/checks/routing.cpp's, same messages): a
+    # traced call with other arguments must not propagate a shape the op would never return.
+    def fail(msg):
+        raise RuntimeError(f"hopper_moe::grouped_topk: {msg}")
+
+    if scores.dim() != 2:
+        fail(f"scores must be 2-D, got {scores.dim()}-D")
+    num_experts = scores.shape[1]
+    if not (n_group >= 1 and num_experts % n_group == 0):
+        fail(f"n_group must be >= 1 and divide num_experts = {num_experts}, got n_group = "
+             f"{n_group}")
+    if not 1 <= topk_group <= n_group:
+        fail(f"topk_group must be in [1, n_group = {n_group}], got {topk_group}")
+    kept = topk_group * (num_experts // n_group)
+    if not 1 <= topk <= kept:
+        fail(f"topk must be in [1, topk_group * num_experts / n_group = {kept}], got {topk}")
     num_tokens = scores.shape[0]
     weights = scores.new_empty((num_tokens, topk), dtype=torch.float32)
     ids = scores.new_empty((num_tokens, topk), dtype=torch.int32)
