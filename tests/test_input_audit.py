@@ -414,3 +414,21 @@ def test_grouped_topk_fake_checks_what_decides_its_shapes():
         w, i = O.grouped_topk(mode.from_tensor(scores), 4, 2, 3, True, 1.0,
                               mode.from_tensor(bias), 1)
         assert tuple(w.shape) == tuple(i.shape) == (5, 3)
+
+
+def test_uint32_ids_from_fused_topk_run_the_layer():
+    """fused_topk(indices_type=torch.uint32) (accepted as in vLLM) gives ids fused_experts runs
+    like their int32 values on every backend; ids from 2^31 on count for nothing."""
+    x, w1, w2, _ = _layer("cpu")
+    logits = torch.randn(x.shape[0], w1.shape[0], generator=seeded(6))
+    weights, ids, _ = hopper_moe.fused_topk(x, logits, 2, True, indices_type=torch.uint32)
+    assert ids.dtype == torch.uint32
+    ids32 = ids.view(torch.int32).clone()
+    ids32[0, 1] = -1
+    ids = ids32.view(torch.uint32).clone()
+    ids.view(torch.int32)[0, 1] = -2**31  # 2^31 as uint32
+    want = fused_experts(x, w1, w2, weights, ids32, backend="reference")
+    for backend in _backends("cpu"):
+        got = fused_experts(x, w1, w2, weights, ids, backend=backend)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"{backend}: {m}")

@@ -375,7 +375,7 @@ def fused_experts(
             float8_e4m3fn with ``quant``.
         w2: ``[E, H, I]``, K-contiguous, the dtype of w1.
         topk_weights: ``[M, topk]`` f32 (f16/bf16 accepted) routing weights.
-        topk_ids: ``[M, topk]`` int32/int64 global expert ids. A slot counts only if
+        topk_ids: ``[M, topk]`` int32/int64 (uint32 read as int32) global expert ids. A slot counts only if
             (with expert_map) 0 <= id < global_num_experts and expert_map[id] is a local
             expert in [0, E), or (without) 0 <= id < E; other slots contribute zero.
         activation: "silu" (SiLU(gate) * up).
@@ -399,6 +399,10 @@ def fused_experts(
         RuntimeError naming the argument and the rule for any invalid argument, or when the
         requested backend is not available in this build.
     """
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.uint32:
+        # fused_topk(indices_type=torch.uint32)'s ids, read as int32: the same ids, and one
+        # past 2^31 - 1 reads as negative, out of range either way (it counts for nothing).
+        topk_ids = topk_ids.view(torch.int32)
     if backend in _SM90_NAMES and _sm90_direct(hidden_states, w1, w2, topk_weights, topk_ids,
                                                 activation, apply_router_weight_on_input,
                                                 global_num_experts, expert_map, quant, out):
