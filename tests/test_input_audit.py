@@ -432,3 +432,100 @@ def test_uint32_ids_from_fused_topk_run_the_layer():
         got = fused_experts(x, w1, w2, weights, ids, backend=backend)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
                                    msg=lambda m: f"{backend}: {m}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("block_shape, hidden", [((128, 64), 128), ((64, 32), 128),
+                                                 ((128, 16), 128), ((128, 192), 384)])
+def test_block_fp8_with_groups_other_than_the_k_tile(dev, block_shape, hidden):
+    """Block-wise FP8 with block_k other than 128: the Triton kernel applies one scale per K
+    tile, and its tile was 128 whatever the group (wrong results for block_k < 128); the tile
+    is now fitted into the group, and every backend agrees with the reference."""
+    from hopper_moe.kernels.moe_gemm_configs import block_k_for_group
+
+    assert block_k_for_group(128, block_shape[1]) <= block_shape[1]
+    assert block_shape[1] % block_k_for_group(128, block_shape[1]) == 0
+    g = seeded(8)
+    x = torch.randn(3, hidden, generator=g).to(dev, torch.bfloat16)
+    w1 = (torch.randn(2, 2 * hidden, hidden, generator=g) / hidden ** 0.5).to(dev)
+    w2 = (torch.randn(2, hidden, hidden, generator=g) / hidden ** 0.5).to(dev)
+    w1q, w2q, quant = make_quant_config(w1, w2, "fp8_block", block_shape=block_shape)
+    weights = torch.rand(3, 2, generator=g).to(dev)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]], dtype=torch.int32, device=dev)
+    want = fused_experts(x, w1q, w2q, weights, ids, quant=quant, backend="reference")
+    for backend in _backends(dev):
+        if backend == "sm90":
+            continue  # no block FP8 (a clear error; tests/test_fused_moe.py)
+        got = fused_experts(x, w1q, w2q, weights, ids, quant=quant, backend=backend)
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m: f"{backend} {block_shape}: {m}")
+
+
+def test_block_fp8_groups_too_narrow_for_the_triton_kernel():
+    """block_k = 8 leaves no K tile tl.dot takes inside a group: the Triton backend says so
+    (and auto does not choose it), where it would otherwise mix two groups' scales."""
+    from hopper_moe.backends import triton as triton_backend
+
+    x, w1, w2, weights = _layer("cpu", hidden=64, inter=64)
+    w1q, w2q, quant = make_quant_config(w1.float(), w2.float(), "fp8_block", block_shape=(64, 8))
+    assert triton_backend.unsupported_reason(quant).startswith("block_shape[1] (block_k) = 8")
+    assert not triton_backend.supports(x.device, x.dtype, w1q, w2q, quant)
+    ids = torch.randint(0, w1.shape[0], (x.shape[0], 2), generator=seeded(3)).to(torch.int32)
+    with pytest.raises(RuntimeError, match=r"block_shape\[1\] \(block_k\) = 8 must be a "
+                                           r"multiple of 16"):
+        fused_experts(x, w1q, w2q, weights, ids, quant=quant, backend="triton")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_int64_expert_map_entries_past_int32_are_non_local(dev):
+    """An int64 expert_map entry of 2^32 (+ e) is no local expert on every backend (the sm90
+    layer narrowed it to e)."""
+    x, w1, w2, _ = _layer(dev, num_tokens=4, num_experts=2)
+    ids = torch.tensor([[0], [1], [2], [3]], dtype=torch.int32, device=dev)
+    weights = torch.ones(4, 1, device=dev)
+    expert_map = torch.tensor([2**32, 1, 2**32 + 1, -(2**32) + 1], device=dev)
+    want = fused_experts(x, w1, w2, weights, ids, expert_map=expert_map.clamp(-1, 2),
+                         backend="reference")
+    assert want[0].abs().max() == 0 and want[1].abs().max() > 0
+    for backend in _backends(dev):
+        got = fused_experts(x, w1, w2, weights, ids, expert_map=expert_map, backend=backend)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"{backend}: {m}")
+
+
+def test_sm90_weights_off_a_16_byte_boundary():
+    """bf16 / FP8 weights the sm90 layer reads as they are must start on 16 bytes (bulk tensor
+    copies): the op says so naming the weight (an inner GEMM's operand `b` was named), its
+    support check too (auto takes another backend), and the other backends compute them."""
+    from hopper_moe.backends import sm90
+
+    x, w1, w2, weights = _layer("cpu")
+    shifted = torch.empty(w2.numel() + 1, dtype=w2.dtype)[1:].view(w2.shape)
+    shifted.copy_(w2)
+    assert shifted.data_ptr() % 16
+    ids = torch.randint(0, w1.shape[0], (x.shape[0], 2), generator=seeded(2)).to(torch.int32)
+    with pytest.raises(RuntimeError, match=r"fused_experts_sm90: w2 must start on a 16-byte "
+                                           r"boundary"):
+        fused_experts(x, w1, shifted, weights, ids, backend="sm90")
+    assert "w2 must start on a 16-byte boundary" in sm90.unsupported_reason(
+        x.device, w1, shifted, None)
+    want = fused_experts(x, w1, w2, weights, ids, backend="torch")
+    torch.testing.assert_close(fused_experts(x, w1, shifted, weights, ids, backend="torch"),
+                               want, atol=0, rtol=0)
+    # fp32 weights are converted into fresh memory: any start is fine.
+    x32, w1f, w2f = x.float(), w1.float(), w2.float()
+    w2f_shifted = torch.empty(w2f.numel() + 1)[1:].view(w2f.shape)
+    w2f_shifted.copy_(w2f)
+    torch.testing.assert_close(fused_experts(x32, w1f, w2f_shifted, weights, ids, backend="sm90"),
+                               fused_experts(x32, w1f, w2f, weights, ids, backend="sm90"),
+                               atol=0, rtol=0)
+
+
+def test_meta_argument_named_in_the_one_device_error():
+    """A meta tensor among real ones reaches the fake implementation first: its error names
+    the argument (it gave a position)."""
+    x, w1, w2, weights = _layer("cpu")
+    ids = torch.zeros(x.shape[0], 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"fused_experts_sm90: all tensor arguments must be "
+                                           r"on one device; got out on cpu, topk_ids on meta"):
+        fused_experts(x, w1, w2, weights, ids.to("meta"), backend="sm90")

@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <limits>
+#include <utility>
 
 namespace hopper_moe {
 
@@ -77,6 +78,18 @@ LayerScheme fused_experts_sm90(
   HM_CHECK_LAST_DIM_CONTIGUOUS(kOp, w2);
   HM_CHECK(kOp, w1.scalar_type() == w2.scalar_type(), "w1 and w2 must have the same dtype, got ",
            w1.scalar_type(), " and ", w2.scalar_type());
+  // The GEMMs read bf16 / e4m3 weights as they are (contiguous ones without a copy) with bulk
+  // tensor copies, which need a 16-byte aligned start; other dtypes are converted, other
+  // layouts copied, both into fresh (aligned) memory.
+  for (const auto& [w, name] : {std::pair<const at::Tensor&, const char*>{w1, "w1"}, {w2, "w2"}}) {
+    const bool read_as_is = (w.scalar_type() == at::kBFloat16 ||
+                             w.scalar_type() == at::kFloat8_e4m3fn) && w.is_contiguous();
+    HM_CHECK(kOp, !read_as_is || w.numel() == 0 ||
+                      reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+             name, " must start on a 16-byte boundary (the GEMM reads it with bulk tensor ",
+             "copies), got data pointer ", w.data_ptr(), "; a view at an element offset can ",
+             "be passed as a copy (", name, ".clone())");
+  }
 
   LayerScheme s;
   s.fp8 = w1.scalar_type() == at::kFloat8_e4m3fn;

@@ -269,7 +269,11 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
   OptTensor map;
   int64_t permute_experts = s.num_global;  // moe_permute's n_expert, >= its n_local_expert
   if (expert_map) {
-    map = as_dtype(*expert_map, at::kInt).contiguous();
+    // Entries outside [0, E) are non-local; an int64 one is clamped to [-1, E] before it is
+    // narrowed, so that no entry wraps into a local expert's id.
+    map = expert_map->scalar_type() == at::kInt
+              ? expert_map->contiguous()
+              : expert_map->clamp(-1, num_experts).to(at::kInt).contiguous();
     if (s.num_global < num_experts) {
       // A map shorter than the local experts (ids past it count for nothing, as in the other
       // backends): padded with non-local entries up to them.
@@ -336,7 +340,8 @@ void run_layer HOPPER_MOE_LAYER_ARGS {
                                      offsets_ready, a2s, "");
     }
     // Only the rows before offsets[E] (those GEMM1 wrote) are read and quantized.
-    const at::Tensor row_end = ws.take(offsets_at + num_experts * int64_t{sizeof(int64_t)}, {1}, at::kLong);
+    const at::Tensor row_end =
+        ws.take(offsets_at + num_experts * int64_t{sizeof(int64_t)}, {1}, at::kLong);
     at::Tensor a2 = ws.take(a2_at, {slots, inter}, kE4m3);
     at::Tensor a2_scales = dynamic_tensor_a2 ? *a2s : ws.take(a2_scale_at, {slots, 1}, kF32);
     Ops::fp8_quant_rows(a2, h, a2_scales, dynamic_tensor_a2 ? "static_tensor" : "per_token", 0,

@@ -45,9 +45,16 @@ def _check_one_device(op: str, args, kwargs) -> None:
         if isinstance(a, torch.Tensor):
             devices.setdefault(a.device, i)
     if len(devices) > 1:
+        names = _argument_names(op)[:len(args)] + list(kwargs)
+        devices = {d: names[i] for d, i in devices.items()}
         raise RuntimeError(
             f"hopper_moe::{op}: all tensor arguments must be on one device; got "
-            + ", ".join(f"argument {i} on {d}" for d, i in devices.items()))
+            + ", ".join(f"{name} on {d}" for d, name in devices.items()))
+
+
+def _argument_names(op: str) -> list[str]:
+    """The op's argument names in schema order (for messages)."""
+    return [a.name for a in getattr(torch.ops.hopper_moe, op).default._schema.arguments]
 
 
 def _writes_only_fake(op: str):

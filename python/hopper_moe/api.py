@@ -231,7 +231,8 @@ class _Backend:
 _BACKENDS: dict[str, _Backend] = {
     "torch": _Backend(_torch_backend.run, _torch_backend.is_available),
     "reference": _Backend(_reference_backend.run, _reference_backend.is_available),
-    "triton": _Backend(_triton_backend.run, _triton_backend.is_available, writes_out=True),
+    "triton": _Backend(_triton_backend.run, _triton_backend.is_available, writes_out=True,
+                       supports=_triton_backend.supports),
     "sm90": _Backend(_sm90_backend.run, _sm90_backend.is_available,
                      _sm90_backend.make_gemm_only, writes_out=True,
                      supports=_sm90_backend.supports),

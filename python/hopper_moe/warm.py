@@ -72,7 +72,8 @@ def _classes(w1, w2, top_k: int, max_num_tokens: int, dtype: torch.dtype, quant,
         name = backend if backend != "auto" else api._auto_choice(
             device, dtype, m, w1, w2, top_k, quant).backend
         if name == "triton":
-            cfg = get_config(m, top_k, num_experts, inter, scheme)
+            cfg = get_config(m, top_k, num_experts, inter, scheme,
+                             group_k=None if quant is None else quant.act_group_size)
             key = (name, tuple(sorted(cfg.items())))
         else:  # no JIT: a run per power-of-two size class sets up launch paths and buffers
             key = (name, max(m - 1, 1).bit_length())

@@ -18,10 +18,10 @@ import importlib.util
 import torch
 
 from .. import ops, prepare, settings
-from ..kernels.moe_gemm_configs import get_config
+from ..kernels.moe_gemm_configs import MIN_BLOCK_K, block_k_for_group, get_config
 
 __all__ = ["Routing", "fused_experts_triton", "invoke_moe_gemm", "is_available", "precision",
-           "run"]
+           "run", "supports", "unsupported_reason"]
 
 _QUANT_NONE, _QUANT_TENSOR, _QUANT_CHANNEL, _QUANT_BLOCK = 0, 1, 2, 3
 _ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}  # the kernel's ACT_ROUND
@@ -38,6 +38,25 @@ def is_available(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available()
     return device_type == "cpu" and settings.TRITON_INTERPRET
+
+
+def unsupported_reason(quant) -> str | None:
+    """Why the kernel cannot run a layer of this quantization (None: it can): block-wise
+    scales whose group of columns holds no K tile of at least MIN_BLOCK_K columns (the kernel
+    applies one scale per K tile)."""
+    if quant is None or quant.block_shape is None:
+        return None
+    group_k = int(quant.block_shape[1])
+    if block_k_for_group(128, group_k) < MIN_BLOCK_K:
+        return (f"block_shape[1] (block_k) = {group_k} must be a multiple of {MIN_BLOCK_K} "
+                f"(the kernel's K tile lies inside one scale group)")
+    return None
+
+
+def supports(device: torch.device, dtype: torch.dtype, w1: torch.Tensor, w2: torch.Tensor,
+             quant) -> bool:
+    """Whether fused_experts(backend='triton') runs this layer (for the oracle)."""
+    return unsupported_reason(quant) is None
 
 
 _MODULES: dict[str, object] = {}
@@ -237,7 +256,12 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     mode = _quant_mode(quant)
     scheme = "bf16" if mode == _QUANT_NONE else quant.scheme
 
-    cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme)
+    if mode == _QUANT_BLOCK:
+        reason = unsupported_reason(quant)
+        if reason is not None:
+            raise RuntimeError(f"fused_experts(backend='triton'): {reason}")
+    cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme,
+                     group_k=None if mode != _QUANT_BLOCK else int(quant.block_shape[1]))
     # The kernels index the weights with the mapped id: an entry outside [0, E_local) is a
     # non-local expert (-1), as in the other backends, never a row of w1 / w2 past its end.
     if expert_map is not None:

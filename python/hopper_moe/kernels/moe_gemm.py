@@ -20,7 +20,8 @@ choice made per launch from the config.
 Scales (QUANT): 0 none; 1 per-tensor activation x per-expert weight; 2 per-token activation
 (a_scale [rows]) x per-channel weight (b_scale [E, N]); either side may be per-tensor in mode 2
 (PER_ACT_TOKEN / PER_OUT_CH); 3 block-wise: a_scale [rows, K/GROUP_K], b_scale
-[E, N/GROUP_N, K/GROUP_K], applied inside the K loop (BLOCK_K == GROUP_K).
+[E, N/GROUP_N, K/GROUP_K], applied inside the K loop, one per K tile (BLOCK_K divides
+GROUP_K: moe_gemm_configs.get_config fits it).
 
 Fused SiLU*mul (FUSE_SILU, GEMM1 only): B is w1 [E, 2I, K] (gate rows, then up rows) and the
 program computes BLOCK_N pre-activation columns as BLOCK_N / 2 (gate, up) pairs: column 2j of

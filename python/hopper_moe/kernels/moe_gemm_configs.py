@@ -122,11 +122,31 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, scheme: str) -
 _NEAREST: dict[tuple[str, int], tuple[dict, int]] = {}
 
 
+# The smallest K tile tl.dot takes.
+MIN_BLOCK_K = 16
+
+
+def block_k_for_group(block_k: int, group_k: int) -> int:
+    """The K tile for block-wise scales of `group_k` columns: the kernel applies one scale per
+    K tile, so a tile must lie inside one group: the largest power of two that divides group_k,
+    at most block_k (below MIN_BLOCK_K: no tile fits; the backend rejects such groups)."""
+    return min(block_k, group_k & -group_k)
+
+
 def get_config(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
-               scheme: str) -> dict:
+               scheme: str, group_k: int | None = None) -> dict:
     """Config of both GEMMs of a layer (w1 [E, 2*intermediate, H], w2 [E, H, intermediate])
-    for this token count; they share BLOCK_M because they share one alignment. A new dict
-    on every call (callers may change it)."""
+    for this token count; they share BLOCK_M because they share one alignment. group_k: the
+    columns of a block-wise scale group (BLOCK_K is fitted to it: block_k_for_group). A new
+    dict on every call (callers may change it)."""
+    cfg = _config(num_tokens, top_k, num_experts, intermediate, scheme)
+    if group_k is not None:
+        cfg["BLOCK_K"] = block_k_for_group(cfg["BLOCK_K"], group_k)
+    return cfg
+
+
+def _config(num_tokens: int, top_k: int, num_experts: int, intermediate: int,
+            scheme: str) -> dict:
     default = default_config(num_tokens, top_k, num_experts, scheme)
     if not _has_cuda():
         return default
