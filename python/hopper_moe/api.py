@@ -376,9 +376,10 @@ def fused_experts(
             float8_e4m3fn with ``quant``.
         w2: ``[E, H, I]``, K-contiguous, the dtype of w1.
         topk_weights: ``[M, topk]`` f32 (f16/bf16 accepted) routing weights.
-        topk_ids: ``[M, topk]`` int32/int64 (uint32 read as int32) global expert ids. A slot counts only if
-            (with expert_map) 0 <= id < global_num_experts and expert_map[id] is a local
-            expert in [0, E), or (without) 0 <= id < E; other slots contribute zero.
+        topk_ids: ``[M, topk]`` int32/int64 (uint32 read as int32) global expert ids. A
+            slot counts only if (with expert_map) 0 <= id < global_num_experts and
+            expert_map[id] is a local expert in [0, E), or (without) 0 <= id < E; other
+            slots contribute zero.
         activation: "silu" (SiLU(gate) * up).
         apply_router_weight_on_input: multiply the input row by its weight before GEMM1
             instead of the output (requires topk == 1).

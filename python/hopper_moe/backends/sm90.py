@@ -100,9 +100,11 @@ def unsupported_reason(device: torch.device, w1: torch.Tensor, w2: torch.Tensor,
             return (f"{name} = {k} must be a multiple of {16 // elem} for "
                     f"{'FP8' if quant is not None else 'bf16'} operands")
     for name, w in (("w1", w1), ("w2", w2)):
-        # Read as they are by bulk tensor copies (the op's check, csrc/checks/layer.cpp).
-        if w.dtype in (torch.bfloat16, torch.float8_e4m3fn) and w.is_contiguous() and \
-                w.numel() > 0 and w.data_ptr() % 16:
+        # Read as they are by bulk tensor copies (the op's check, csrc/checks/layer.cpp). While
+        # torch.compile traces there is no address to look at (the op checks it when it runs).
+        if w.dtype in (torch.bfloat16, torch.float8_e4m3fn) and \
+                not torch.compiler.is_compiling() and w.is_contiguous() and w.numel() > 0 and \
+                w.data_ptr() % 16:
             return f"{name} must start on a 16-byte boundary (a view at an element offset)"
     if device.type == "cuda" and not (is_available("cuda") and _device_is_sm90(device)):
         return (f"needs an SM90 GPU (H100/H200) and a CUDA build of hopper_moe; {device} is "
