@@ -71,16 +71,15 @@ void moe_grouped_gemm_silu_mul(at::Tensor& out, const at::Tensor& a, const at::T
         rows.is_contiguous() ? rows : at::empty_like(rows, at::MemoryFormat::Contiguous);
     if (out_scale) {
       silu_and_mul_quant(dst, h.slice(0, begin, end), *out_scale);
-      if (!dst.is_same(rows)) rows.copy_(dst);
     } else {
       silu_and_mul(dst, h.slice(0, begin, end));
-      if (!dst.is_same(rows)) rows.copy_(dst);
-      if (amax_scale) {
-        // max(scale, amax / 448) with fmaxf's rule: NaN elements do not count.
-        const at::Tensor v = rows.to(at::kFloat).abs();
-        const float amax = v.masked_fill(v.isnan(), 0.0).max().item<float>();
-        amax_scale->fill_(std::fmax(amax_scale->item<float>(), amax / 448.0f));
-      }
+    }
+    if (!dst.is_same(rows)) rows.copy_(dst);
+    if (!out_scale && amax_scale) {
+      // max(scale, amax / 448) with fmaxf's rule: NaN elements do not count.
+      const at::Tensor v = rows.to(at::kFloat).abs();
+      const float amax = v.masked_fill(v.isnan(), 0.0).max().item<float>();
+      amax_scale->fill_(std::fmax(amax_scale->item<float>(), amax / 448.0f));
     }
   }
 }

@@ -128,6 +128,21 @@ def _check_tensor(name: str, t, dim: int, device: Optional[torch.device] = None)
         _fail(f"{name} must be on the same device as hidden_states ({device}), got {t.device}")
 
 
+def _checked_quant(quant, w1, w2, act_dtype: torch.dtype, act_name: str):
+    """quant checked against the weights (QuantConfig.resolve + validate; resolved returned),
+    or, without it, the weights of the activations' dtype."""
+    if quant is None:
+        if w1.dtype != act_dtype:
+            _fail(f"w1 must have the dtype of {act_name} ({act_dtype}) when quant is None, got "
+                  f"{w1.dtype}")
+        return None
+    if not isinstance(quant, QuantConfig):
+        _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
+    quant = quant.resolve(w1)
+    quant.validate(w1, w2)
+    return quant
+
+
 def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activation,
                            apply_router_weight_on_input, global_num_experts, expert_map,
                            quant, backend) -> int:
@@ -166,15 +181,7 @@ def _validate_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, activa
             _fail(f"{name} must be K-contiguous (last-dim stride 1)")
     if w1.dtype != w2.dtype:
         _fail(f"w1 and w2 must have the same dtype, got {w1.dtype} and {w2.dtype}")
-    if quant is None:
-        if w1.dtype != hidden_states.dtype:
-            _fail(f"w1 must have the dtype of hidden_states ({hidden_states.dtype}) when quant "
-                  f"is None, got {w1.dtype}")
-    else:
-        if not isinstance(quant, QuantConfig):
-            _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
-        quant = quant.resolve(w1)
-        quant.validate(w1, w2)
+    quant = _checked_quant(quant, w1, w2, hidden_states.dtype, "hidden_states")
     if tuple(topk_ids.shape) != tuple(topk_weights.shape):
         _fail(f"topk_ids and topk_weights must have the same shape (num_tokens, topk), got "
               f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
@@ -340,15 +347,7 @@ def explain_backend(num_tokens: int, w1: torch.Tensor, w2: torch.Tensor, top_k: 
             tuple(w2.shape) != (num_experts, hidden_size, n1 // 2):
         _fail(f"w1 [E, 2I, H] and w2 [E, H, I] must agree (E >= 1, I >= 1), got "
               f"{tuple(w1.shape)} and {tuple(w2.shape)}")
-    if quant is None:
-        if w1.dtype != dtype:
-            _fail(f"w1 must have the dtype of the hidden states ({dtype}) when quant is None, "
-                  f"got {w1.dtype}")
-    else:
-        if not isinstance(quant, QuantConfig):
-            _fail(f"quant must be None or a hopper_moe.QuantConfig, got {type(quant).__name__}")
-        quant = quant.resolve(w1)
-        quant.validate(w1, w2)
+    quant = _checked_quant(quant, w1, w2, dtype, "the hidden states")
     return _auto_choice(w1.device, dtype, num_tokens, w1, w2, top_k, quant)
 
 

@@ -38,7 +38,8 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops
-from .quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig
+from .quant import (FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig,
+                    abs_ignoring_nan)
 
 __all__ = [
     "DYNAMIC_TENSOR",
@@ -84,13 +85,6 @@ class _KernelQuant:
         return ops.scaled_fp8_quant(x, static_scale)
 
 
-def _abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
-    """|x| with NaN as 0: an amax over it skips NaN elements as the quantization ops' C
-    ``fmaxf`` does (hopper_moe.reference.quant's rule), so every backend scales alike."""
-    a = x.abs()
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
-
-
 class _NativeQuant:
     """The same rules in tensor ops on fp32 ``x``: scale ``[R, C/g]`` per group, ``[R, 1]``
     per token, ``[]`` per tensor."""
@@ -99,14 +93,14 @@ class _NativeQuant:
     def per_group(x: torch.Tensor, group: int):
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = _abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
+        scale = abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
             GROUP_INV_MAX
         q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(rows, cols), scale.reshape(rows, cols // group)
 
     @staticmethod
     def per_token(x: torch.Tensor):
-        scale = (_abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
+        scale = (abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
             FP8_MIN_SCALE)
         return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -115,7 +109,7 @@ class _NativeQuant:
         if static_scale is not None:
             scale = static_scale.float().reshape(())
         else:  # over all of x: callers zero the rows that must not count
-            scale = (_abs_ignoring_nan(x).amax() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
+            scale = (abs_ignoring_nan(x).amax() / FP8_MAX).clamp_min(FP8_MIN_SCALE)
         # Per tensor multiplies by the reciprocal, as the per-tensor quantization ops do.
         return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 

@@ -36,6 +36,7 @@ __all__ = [
     "GROUP_EPS",
     "GROUP_INV_MAX",
     "QuantConfig",
+    "abs_ignoring_nan",
     "fp32_reciprocal",
     "make_quant_config",
     "quantize_weights_fp8",
@@ -56,6 +57,13 @@ def fp32_reciprocal(v: float) -> float:
 
 
 GROUP_INV_MAX = fp32_reciprocal(FP8_MAX)
+
+
+def abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    """|x| in fp32 with NaN as 0: an amax over it skips NaN elements as the quantization
+    kernels' C ``fmaxf`` does, so every backend and the references scale alike."""
+    a = x.float().abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 _SCHEMES = ("fp8_tensor", "fp8_channel", "fp8_block")
 

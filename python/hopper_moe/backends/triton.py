@@ -256,10 +256,9 @@ def fused_experts_triton(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torc
     mode = _quant_mode(quant)
     scheme = "bf16" if mode == _QUANT_NONE else quant.scheme
 
-    if mode == _QUANT_BLOCK:
-        reason = unsupported_reason(quant)
-        if reason is not None:
-            raise RuntimeError(f"fused_experts(backend='triton'): {reason}")
+    reason = unsupported_reason(quant)
+    if reason is not None:
+        raise RuntimeError(f"fused_experts(backend='triton'): {reason}")
     cfg = get_config(num_tokens, top_k, num_experts, inter2 // 2, scheme,
                      group_k=None if mode != _QUANT_BLOCK else int(quant.block_shape[1]))
     # The kernels index the weights with the mapped id: an entry outside [0, E_local) is a

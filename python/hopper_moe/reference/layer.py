@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..quant import FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig
-from .quant import _abs_ignoring_nan
+from ..quant import (FP8_MAX, FP8_MIN_SCALE, GROUP_EPS, GROUP_INV_MAX, QuantConfig,
+                     abs_ignoring_nan)
 
 __all__ = [
     "dequantize_weight_ref",
@@ -103,19 +103,19 @@ def quant_dequant_activation_ref(
     """
     x = x.float()
     if quant.per_act_token_quant:
-        scale = (_abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
+        scale = (abs_ignoring_nan(x).amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(
             FP8_MIN_SCALE)
         return _fp8_round_trip(x, scale)
     if quant.block_shape is not None:
         group = quant.block_shape[1]
         rows, cols = x.shape
         xg = x.reshape(rows, cols // group, group)
-        scale = _abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
+        scale = abs_ignoring_nan(xg).amax(dim=2, keepdim=True).clamp_min(GROUP_EPS) * \
             GROUP_INV_MAX
         return _fp8_round_trip(xg, scale).reshape(rows, cols)
     if static_scale is not None:
         return _fp8_round_trip(x, static_scale.float().reshape(()), reciprocal=True)
-    amax = _abs_ignoring_nan(x).amax() if x.numel() > 0 else x.new_zeros(())
+    amax = abs_ignoring_nan(x).amax() if x.numel() > 0 else x.new_zeros(())
     return _fp8_round_trip(x, (amax / FP8_MAX).clamp_min(FP8_MIN_SCALE), reciprocal=True)
 
 
@@ -224,7 +224,7 @@ def fused_experts_ref(
         if not quant.per_act_token_quant and quant.block_shape is None and quant.a2_scale is None:
             # Dynamic per-tensor: one scale from the counted slots only.
             rows = flat[counted]
-            amax = _abs_ignoring_nan(rows).amax() if rows.numel() > 0 else flat.new_zeros(())
+            amax = abs_ignoring_nan(rows).amax() if rows.numel() > 0 else flat.new_zeros(())
             scale = (amax / FP8_MAX).clamp_min(FP8_MIN_SCALE)
             flat = _fp8_round_trip(flat, scale, reciprocal=True)
         else:

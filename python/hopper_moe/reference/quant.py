@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..quant import FP8_MAX, FP8_MIN_SCALE, fp32_reciprocal
+from ..quant import FP8_MAX, FP8_MIN_SCALE, abs_ignoring_nan, fp32_reciprocal
 
 __all__ = [
     "FP8_DTYPE",
@@ -51,10 +51,6 @@ def _clamp_e4m3(v: torch.Tensor) -> torch.Tensor:
 def _clamp_range(v: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return torch.fmin(torch.fmax(v, v.new_tensor(lo)), v.new_tensor(hi))
 
-
-def _abs_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
-    a = x.float().abs()
-    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +91,7 @@ def static_scaled_fp8_quant_ref(input: torch.Tensor, scale: torch.Tensor,
 def dynamic_scaled_fp8_quant_ref(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [..., K] e4m3, scale [1] f32)`` with one scale for the whole tensor."""
     x = input.float()
-    amax = _abs_ignoring_nan(x).amax() if x.numel() else x.new_zeros(())
+    amax = abs_ignoring_nan(x).amax() if x.numel() else x.new_zeros(())
     s = torch.clamp(amax / FP8_MAX, min=FP8_MIN_SCALING_FACTOR).reshape(1)
     q = _clamp_e4m3(x * (1.0 / s)).to(FP8_DTYPE)
     return q, s
@@ -106,7 +102,7 @@ def dynamic_per_token_scaled_fp8_quant_ref(
         scale_ub: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [..., K] e4m3, scale [rows, 1] f32)`` with one scale per row."""
     x = _rows(input).float()
-    amax = _abs_ignoring_nan(x).amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(
+    amax = abs_ignoring_nan(x).amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(
         (x.shape[0], 1))
     if scale_ub is not None:
         amax = torch.fmin(amax, scale_ub.float().reshape(1, 1).to(x.device))
@@ -133,7 +129,7 @@ def per_token_group_fp8_quant_ref(input: torch.Tensor, group_size: int, eps: flo
     groups = k // group_size
     x = _rows(input).float().reshape(-1, groups, group_size)
     eps_f32 = torch.tensor(eps, dtype=torch.float32).item()
-    amax = torch.clamp(_abs_ignoring_nan(x).amax(dim=2, keepdim=True), min=eps_f32)
+    amax = torch.clamp(abs_ignoring_nan(x).amax(dim=2, keepdim=True), min=eps_f32)
     # amax times the fp32 reciprocal of fp8_max (vLLM's result on CUDA; see fp8.cuh group_scale)
     s = amax * fp32_reciprocal(fp8_max)
     if scale_ue8m0:
